@@ -1,0 +1,36 @@
+# Two entry points for a newcomer: `make run` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+CONFIG ?= config.example.yaml
+
+.PHONY: run test typecheck bench clean
+
+$(VENV)/.installed-run: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-test: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@ $(VENV)/.installed-run
+
+run: $(VENV)/.installed-run
+	$(VENV)/bin/tidelog --config $(CONFIG) migrate
+	@echo "tidelog: serving with $(CONFIG); try: curl -s http://127.0.0.1:8470/v1/status"
+	@echo "tidelog: participants: /v1/participants, audit trail: /v1/events or '$(VENV)/bin/tidelog --config $(CONFIG) events'"
+	$(VENV)/bin/tidelog --config $(CONFIG) serve
+
+test: $(VENV)/.installed-test
+	$(PY) -m mypy
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: $(VENV)/.installed-test
+	$(PY) -m pip install --quiet -e '.[test,bench]'
+	$(PY) bench/journal_throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache tidelog.db tidelog.db-wal tidelog.db-shm
