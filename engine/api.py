@@ -1,0 +1,209 @@
+"""The orchestrator's HTTP API (aiohttp).
+
+Reads are open; mutating routes need ``Authorization: Bearer <control token>``
+(compared in constant time) and are answered only by the leader. Every error
+is ``{"error": {"code", "detail"}}`` with a specific code: ``invalid_query``
+(400, naming the parameter, the value and the rule), ``unauthorized`` (401),
+``not_found`` (404), ``not_leader`` (503).
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+from aiohttp import web
+
+from journal import JournalError, audit, lease, models
+from journal.audit import EventFilter
+
+from .leader import LEASE_NAME
+from .service import Orchestrator
+
+ORCH: web.AppKey[Orchestrator] = web.AppKey("orchestrator", Orchestrator)
+EVENT_PARAMS = {"kind", "entity", "state", "since", "until", "after", "limit"}
+
+
+def error(status: int, code: str, detail: str) -> web.Response:
+    return web.json_response({"error": {"code": code, "detail": detail}}, status=status)
+
+
+class QueryError(Exception):
+    def __init__(self, param: str, value: str, rule: str) -> None:
+        self.param = param
+        super().__init__(f"query parameter {param}={value!r}: {rule}")
+
+
+def _int(q: dict[str, str], name: str, default: int, lo: int, hi: int) -> int:
+    raw = q.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise QueryError(name, raw, "must be an integer") from None
+    if not lo <= value <= hi:
+        raise QueryError(name, raw, f"must be between {lo} and {hi}")
+    return value
+
+
+def _time(q: dict[str, str], name: str) -> datetime | None:
+    raw = q.get(name)
+    if raw is None:
+        return None
+    try:
+        value = datetime.fromisoformat(raw)
+    except ValueError:
+        raise QueryError(name, raw, "must be an ISO-8601 timestamp with a timezone") from None
+    if value.tzinfo is None:
+        raise QueryError(name, raw, "must carry a timezone (e.g. 2026-11-30T10:00:00+00:00)")
+    return value
+
+
+def parse_event_filter(q: dict[str, str], known_kinds: list[str]) -> EventFilter:
+    """Validate ``GET /v1/events`` parameters into a filter; :class:`QueryError` names the culprit."""
+    for name in q:
+        if name not in EVENT_PARAMS:
+            raise QueryError(name, q[name], f"unknown parameter (known: {', '.join(sorted(EVENT_PARAMS))})")
+    kind = q.get("kind")
+    if kind is not None and kind not in known_kinds:
+        raise QueryError("kind", kind, f"unknown entity kind (known: {', '.join(known_kinds)})")
+    since, until = _time(q, "since"), _time(q, "until")
+    if since and until and since > until:
+        raise QueryError("since", q["since"], "must not be later than until")
+    return EventFilter(entity_kind=kind, entity_id=q.get("entity"), to_state=q.get("state"),
+                       since=since, until=until, after_seq=_int(q, "after", 0, 0, 2**62),
+                       limit=_int(q, "limit", 100, 1, audit.MAX_PAGE))
+
+
+def event_json(ev: dict[str, Any]) -> dict[str, Any]:
+    return {**ev, "ts": ev["ts"].isoformat()}
+
+
+def participant_json(m: Any) -> dict[str, Any]:
+    return {"name": m["id"], "url": m["url"], "health": m["state"], "kind": m["kind"],
+            "instance": m["instance"], "phase": m["phase"], "detail": m["detail"],
+            "probe_failures": m["probe_failures"], "version": m["version"],
+            "last_probe_at": m["last_probe_at"].isoformat() if m["last_probe_at"] else None,
+            "updated_at": m["updated_at"].isoformat()}
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def make_app(orch: Orchestrator) -> web.Application:
+    token = orch.settings.token()
+
+    def mutating(handler: Handler) -> Handler:
+        async def wrapped(request: web.Request) -> web.StreamResponse:
+            header = request.headers.get("Authorization", "")
+            given = header[7:] if header.startswith("Bearer ") else ""
+            if not token or not hmac.compare_digest(given.encode(), token.encode()):
+                return error(401, "unauthorized", "missing or wrong bearer token")
+            if not orch.is_leader:
+                current = await lease.read_lease(orch.journal, LEASE_NAME)
+                who = f"{current.holder} (epoch {current.epoch})" if current else "nobody"
+                return error(503, "not_leader", f"this orchestrator is a standby; the leader is {who}")
+            return await handler(request)
+        return wrapped
+
+    async def healthz(_: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    async def readyz(_: web.Request) -> web.Response:
+        try:
+            revision = await orch.check_schema()
+        except Exception as exc:  # noqa: BLE001 - reported, not raised
+            return web.json_response({"ready": False, "reason": str(exc)}, status=503)
+        return web.json_response({"ready": True, "schema": revision, "leader": orch.is_leader})
+
+    async def metrics(_: web.Request) -> web.Response:
+        m = orch.metrics
+        m.queue_depth.set(len(orch.reconciler.queue))
+        m.commits.set(orch.committer.commits)
+        m.writes.set(orch.committer.writes)
+        m.entities.clear()
+        for kind, states in (await entity_counts(orch.journal)).items():
+            for state, n in states.items():
+                m.entities.set(n, kind=kind, state=state)
+        return web.Response(text=m.render(), content_type="text/plain", charset="utf-8",
+                            headers={"X-Content-Type-Options": "nosniff"})
+
+    async def status(_: web.Request) -> web.Response:
+        return web.json_response(await status_snapshot(orch))
+
+    async def participants(_: web.Request) -> web.Response:
+        t = models.participants
+        async with orch.journal.read() as conn:
+            rows = (await conn.execute(sa.select(t).order_by(t.c.id))).all()
+        return web.json_response({"participants": [participant_json(r._mapping) for r in rows]})
+
+    async def events(request: web.Request) -> web.Response:
+        try:
+            flt = parse_event_filter(dict(request.query), orch.journal.kinds.names() + ["leases"])
+        except QueryError as exc:
+            return error(400, "invalid_query", str(exc))
+        async with orch.journal.read() as conn:
+            page = await audit.query_events(conn, flt)
+        nxt = page[-1]["seq"] if len(page) == flt.limit else None
+        return web.json_response({"events": [event_json(e) for e in page], "next_after": nxt})
+
+    async def probe(request: web.Request) -> web.Response:
+        name = request.query.get("name")
+        t = models.participants
+        async with orch.journal.read() as conn:
+            stmt = sa.select(t.c.id).where(t.c.state != "removed")
+            if name is not None:
+                stmt = stmt.where(t.c.id == name)
+            names = list((await conn.execute(stmt)).scalars())
+        if name is not None and not names:
+            return error(404, "not_found", f"no configured participant named {name!r}")
+        # A probe is a read: the request only queues it; the controller records what it finds.
+        if orch.discovery is None:
+            return error(404, "not_found", "discovery is not running in this orchestrator")
+        for n in names:
+            orch.discovery.request_probe(n)
+            orch.reconciler.enqueue("participants", n)
+        return web.json_response({"queued": names}, status=202)
+
+    app = web.Application()
+    app[ORCH] = orch
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/status", status)
+    app.router.add_get("/v1/participants", participants)
+    app.router.add_get("/v1/events", events)
+    app.router.add_post("/v1/participants/probe", mutating(probe))
+    return app
+
+
+async def status_snapshot(orch: Orchestrator) -> dict[str, Any]:
+    current = await lease.read_lease(orch.journal, LEASE_NAME)
+    counts = await entity_counts(orch.journal)
+    return {
+        "holder": orch.holder,
+        "role": "leader" if orch.is_leader else "standby",
+        "lease": None if current is None else {"holder": current.holder, "epoch": current.epoch,
+                                               "expires_at": current.expires_at.isoformat()},
+        "journal": {"backend": orch.journal.backend, "url": orch.journal.url.redacted()},
+        "entities": counts,
+        "queue": {"depth": len(orch.reconciler.queue), "active": orch.reconciler.queue.active,
+                  "timers": orch.reconciler.queue.timers},
+        "rpc_in_flight": orch.dispatcher.in_flight,
+    }
+
+
+async def entity_counts(journal: Any) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    async with journal.read() as conn:
+        for ek in journal.kinds:
+            rows = await conn.execute(sa.select(ek.table.c.state, sa.func.count()).group_by(ek.table.c.state))
+            out[ek.name] = {state: n for state, n in rows.all()}
+    return out
+
+
+__all__ = ["JournalError", "make_app", "parse_event_filter", "status_snapshot"]

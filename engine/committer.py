@@ -1,0 +1,120 @@
+"""Group commit: many controllers' writes in shared transactions, each still its own unit.
+
+Controllers and the dispatcher hand a write function to :meth:`GroupCommitter.run`.
+Submissions that arrive while a transaction is being committed wait and are
+then written together in the next one. Each submission runs inside its own
+savepoint, so one that raises (a stale row, an illegal edge) is rolled back
+alone and gets its exception; the others commit. Every transition is still a
+compare-and-set with its own event — batching only shares the commit (and so
+the fsync) between independent entities. One entity's sequential steps still
+cost one commit each, because a controller awaits its write before deciding
+the next step.
+
+The transaction is fenced with the current leader fence. If the fence check
+fails, every submission of that batch gets :class:`journal.LeaseLost` and
+``on_lease_lost`` is called so the leader loop can stop at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from journal import Fence, Journal, LeaseLost, WriteTx
+
+T = TypeVar("T")
+WriteFn = Callable[[WriteTx], Awaitable[Any]]
+
+
+class NotLeader(Exception):
+    """This orchestrator holds no valid lease, so it may not write."""
+
+
+@dataclass
+class _Submission:
+    fn: WriteFn
+    future: asyncio.Future[Any] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class GroupCommitter:
+    def __init__(self, journal: Journal, fence: Callable[[], Fence | None], *, max_batch: int = 256,
+                 on_lease_lost: Callable[[LeaseLost], None] | None = None) -> None:
+        self._journal = journal
+        self._fence = fence
+        self._max_batch = max_batch
+        self._on_lease_lost = on_lease_lost
+        self._pending: list[_Submission] = []
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.commits = 0
+        self.writes = 0
+
+    async def run(self, fn: Callable[[WriteTx], Awaitable[T]]) -> T:
+        """Run ``fn`` in a shared fenced transaction and return its result after the commit."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._loop(), name="tidelog-group-commit")
+        sub = _Submission(fn)
+        self._pending.append(sub)
+        self._wake.set()
+        result: T = await sub.future
+        return result
+
+    async def close(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        for sub in self._pending:
+            if not sub.future.done():
+                sub.future.set_exception(NotLeader("orchestrator stopping"))
+        self._pending.clear()
+
+    async def _loop(self) -> None:
+        while True:
+            if not self._pending:
+                self._wake.clear()
+                await self._wake.wait()
+            batch, self._pending = self._pending[: self._max_batch], self._pending[self._max_batch:]
+            await self._commit(batch)
+
+    async def _commit(self, batch: list[_Submission]) -> None:
+        fence = self._fence()
+        if fence is None:
+            for sub in batch:
+                sub.future.set_exception(NotLeader("no valid leader lease"))
+            return
+        outcomes: list[tuple[bool, Any]] = []
+        try:
+            async with self._journal.write(fence) as tx:
+                if len(batch) == 1:
+                    outcomes.append((True, await batch[0].fn(tx)))
+                else:
+                    for sub in batch:
+                        try:
+                            async with tx.savepoint():
+                                outcomes.append((True, await sub.fn(tx)))
+                        except Exception as exc:  # noqa: BLE001 - handed to its submitter
+                            outcomes.append((False, exc))
+        except BaseException as exc:
+            if isinstance(exc, LeaseLost) and self._on_lease_lost is not None:
+                self._on_lease_lost(exc)
+            for sub in batch:
+                if not sub.future.done():
+                    sub.future.set_exception(exc if isinstance(exc, Exception) else NotLeader("cancelled"))
+            if not isinstance(exc, Exception):
+                raise
+            return
+        self.commits += 1
+        self.writes += len(batch)
+        for sub, (ok, value) in zip(batch, outcomes):
+            if sub.future.done():
+                continue
+            if ok:
+                sub.future.set_result(value)
+            else:
+                sub.future.set_exception(value)

@@ -1,0 +1,207 @@
+"""Configuration: one YAML file validated by pydantic, secrets from the environment.
+
+Every key is documented in ``config.example.yaml``. Unknown keys are refused.
+The control token comes from ``TIDELOG_CONTROL_TOKEN`` (which wins) or from
+``control.token`` in the file — never from the command line, and it is never
+printed: it is a ``SecretStr`` everywhere.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import uuid
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from journal import JournalURL, UnsupportedJournalURL
+
+TOKEN_ENV = "TIDELOG_CONTROL_TOKEN"
+CONFIG_ENV = "TIDELOG_CONFIG"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+class EnvSecrets(BaseSettings):
+    """Secrets read from the environment only (``TIDELOG_CONTROL_TOKEN``)."""
+
+    model_config = SettingsConfigDict(env_prefix="TIDELOG_", extra="ignore")
+    control_token: SecretStr | None = None
+
+
+class ConfigError(Exception):
+    """The configuration is unusable; the message names the file, the key and the rule."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class JournalSettings(_Strict):
+    url: str = "sqlite+aiosqlite:///./tidelog.db"
+    busy_timeout_ms: int = Field(default=5000, ge=0, le=600_000)
+    pool_size: int = Field(default=5, ge=1, le=200)
+
+    @field_validator("url")
+    @classmethod
+    def _known_scheme(cls, v: str) -> str:
+        try:
+            JournalURL.parse(v)
+        except UnsupportedJournalURL as exc:
+            raise ValueError(str(exc).removeprefix("journal.url: ")) from None
+        return v
+
+
+class OrchestratorSettings(_Strict):
+    id: str | None = Field(default=None, description="holder id in the lease; default host-pid-random")
+    lease_ttl_s: float = Field(default=10.0, gt=0)
+    lease_renew_s: float = Field(default=3.0, gt=0)
+    shutdown_grace_s: float = Field(default=10.0, ge=0)
+
+    @model_validator(mode="after")
+    def _renew_below_ttl(self) -> OrchestratorSettings:
+        if self.lease_renew_s >= self.lease_ttl_s:
+            raise ValueError(f"lease_renew_s ({self.lease_renew_s}) must be below lease_ttl_s ({self.lease_ttl_s})")
+        return self
+
+    def holder(self) -> str:
+        return self.id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class ApiSettings(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8470, ge=0, le=65535)
+
+
+class ControlSettings(_Strict):
+    token: SecretStr | None = None
+
+
+class ReconcilerSettings(_Strict):
+    concurrency: int = Field(default=16, ge=1, le=1024)
+    resync_interval_s: float = Field(default=30.0, gt=0)
+    max_batch: int = Field(default=256, ge=1, le=10_000)
+
+
+class DispatcherSettings(_Strict):
+    concurrency: int = Field(default=32, ge=1, le=4096)
+    batch: int = Field(default=64, ge=1, le=10_000)
+    poll_s: float = Field(default=1.0, gt=0)
+    backoff_base_s: float = Field(default=0.5, gt=0)
+    backoff_cap_s: float = Field(default=30.0, gt=0)
+
+
+class RpcSettings(_Strict):
+    control_pool: int = Field(default=64, ge=1)
+    control_per_host: int = Field(default=8, ge=0)
+    data_pool: int = Field(default=16, ge=1)
+    transport_tries: int = Field(default=3, ge=1, le=20)
+    retry_backoff_s: float = Field(default=0.2, ge=0)
+
+
+class DiscoverySettingsModel(_Strict):
+    probe_timeout_s: float = Field(default=5.0, gt=0, le=600)
+    probe_tries: int = Field(default=3, ge=1, le=20)
+    interval_s: float = Field(default=30.0, gt=0)
+    max_backoff_s: float = Field(default=600.0, gt=0)
+
+
+class ParticipantEntry(_Strict):
+    name: str
+    url: str
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _NAME.match(v):
+            raise ValueError(f"{v!r} must match {_NAME.pattern}")
+        return v
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not re.match(r"^https?://[^/\s]+", v):
+            raise ValueError(f"{v!r} is not an http(s) URL")
+        return v.rstrip("/")
+
+
+class LoggingSettings(_Strict):
+    level: str = "INFO"
+    format: str = Field(default="json", pattern="^(json|text)$")
+
+    @field_validator("level")
+    @classmethod
+    def _level(cls, v: str) -> str:
+        if v.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
+            raise ValueError(f"{v!r} is not a log level (DEBUG, INFO, WARNING, ERROR, CRITICAL)")
+        return v.upper()
+
+
+class Settings(_Strict):
+    journal: JournalSettings = JournalSettings()
+    orchestrator: OrchestratorSettings = OrchestratorSettings()
+    api: ApiSettings = ApiSettings()
+    control: ControlSettings = ControlSettings()
+    reconciler: ReconcilerSettings = ReconcilerSettings()
+    dispatcher: DispatcherSettings = DispatcherSettings()
+    rpc: RpcSettings = RpcSettings()
+    discovery: DiscoverySettingsModel = DiscoverySettingsModel()
+    participants: list[ParticipantEntry] = Field(default_factory=list)
+    logging: LoggingSettings = LoggingSettings()
+
+    @field_validator("participants")
+    @classmethod
+    def _unique(cls, v: list[ParticipantEntry]) -> list[ParticipantEntry]:
+        seen: set[str] = set()
+        for p in v:
+            if p.name in seen:
+                raise ValueError(f"participant name {p.name!r} appears twice")
+            seen.add(p.name)
+        return v
+
+    def token(self) -> str | None:
+        """The control token: ``TIDELOG_CONTROL_TOKEN`` first, then ``control.token``."""
+        env = EnvSecrets().control_token
+        if env is not None and env.get_secret_value():
+            return env.get_secret_value()
+        return self.control.token.get_secret_value() if self.control.token else None
+
+
+def _format(exc: ValidationError, source: str) -> str:
+    lines = [f"{source}: invalid configuration"]
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        value = err.get("input")
+        shown = "" if "token" in where or isinstance(value, dict | list) else f" (got {value!r})"
+        lines.append(f"  {where}: {err['msg']}{shown}")
+    return "\n".join(lines)
+
+
+def load(path: str | os.PathLike[str] | None) -> Settings:
+    """Load and validate a config file (``None``: ``TIDELOG_CONFIG`` or the defaults)."""
+    if path is None:
+        path = os.environ.get(CONFIG_ENV) or None
+    if path is None:
+        return Settings()
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read config: {exc.strerror or exc}") from None
+    try:
+        data: Any = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: not valid YAML: {exc}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: the top level must be a mapping, got {type(data).__name__}")
+    try:
+        return Settings.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format(exc, str(p))) from None

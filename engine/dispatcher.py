@@ -1,0 +1,196 @@
+"""The dispatcher: runs RPC intents from the outbox and records their outcomes.
+
+Loop: claim due ``pending`` intents (``pending -> inflight``, fenced, group
+committed), call each with bounded concurrency outside any transaction, then
+record the outcome and wake the owning entity:
+
+- a 2xx reply: ``inflight -> succeeded`` with the reply;
+- a non-2xx reply with a 4xx status: ``inflight -> failed`` with status, code
+  and detail — typed protocol errors are the controller's to decide on;
+- a transport error or a 5xx: back to ``pending`` with exponential backoff
+  while attempts remain, then ``failed``. A call that is not safe to repeat
+  and may have reached the remote becomes ``ambiguous`` instead: it is never
+  sent again.
+
+Before each send the dispatcher checks that it still holds a valid lease;
+if not, the intent is left ``inflight`` for the next leader's recovery.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from journal import Fence, Journal, LeaseLost, StaleRow, WriteTx, outbox
+from journal.writes import Row
+
+from .clock import Clock
+from .committer import GroupCommitter, NotLeader
+from .metrics import Metrics
+from .rpc import CallTimeout, RemoteError, RpcClient, RpcError, TransportError
+
+log = logging.getLogger("tidelog.dispatcher")
+
+OnDone = Callable[[str, str], None]
+
+
+class Dispatcher:
+    def __init__(self, journal: Journal, committer: GroupCommitter, rpc: RpcClient, clock: Clock,
+                 fence: Callable[[], Fence | None], on_done: OnDone, *, concurrency: int = 32,
+                 batch: int = 64, poll_s: float = 1.0, backoff_base_s: float = 0.5,
+                 backoff_cap_s: float = 30.0, metrics: Metrics | None = None) -> None:
+        self._journal = journal
+        self._committer = committer
+        self._rpc = rpc
+        self._clock = clock
+        self._fence = fence
+        self._on_done = on_done
+        self._sem = asyncio.Semaphore(concurrency)
+        self._concurrency = concurrency
+        self._batch = batch
+        self._poll_s = poll_s
+        self._backoff = (backoff_base_s, backoff_cap_s)
+        self._metrics = metrics or Metrics()
+        self._wake = asyncio.Event()
+        self._calls: set[asyncio.Task[None]] = set()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def on_commit(self, committed: Any) -> None:
+        """Journal commit listener: a new or re-queued intent wakes the dispatcher."""
+        for c in committed:
+            if c.kind == outbox.KIND and c.to_state == "pending":
+                self._wake.set()
+                return
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._calls)
+
+    async def recover(self) -> list[Row]:
+        """Settle intents a previous process left ``inflight`` (see :func:`journal.outbox.recover_inflight`)."""
+        rows: list[Row] = await self._committer.run(outbox.recover_inflight)
+        for row in rows:
+            if row.state == "ambiguous":
+                log.warning("rpc %s %s%s for %s %s is ambiguous after restart; not re-sent",
+                            row["method"], row["target"], row["path"], row["entity_kind"], row["entity_id"])
+                self._on_done(row["entity_kind"], row["entity_id"])
+        return rows
+
+    async def run(self) -> None:
+        """Dispatch until cancelled; in-flight calls are awaited on cancellation for a clean stop."""
+        try:
+            while True:
+                self._wake.clear()
+                limit = min(self._concurrency - len(self._calls), self._batch)
+                claimed: list[Row] = []
+                if limit > 0:
+                    async def claim(tx: WriteTx) -> list[Row]:
+                        return await outbox.claim_due(tx, limit=limit)
+
+                    claimed = await self._committer.run(claim)
+                for row in claimed:
+                    task = asyncio.create_task(self._call(row), name=f"tidelog-rpc-{row.id[:12]}")
+                    self._calls.add(task)
+                    task.add_done_callback(self._call_done)
+                if limit > 0 and len(claimed) == limit:
+                    continue  # there may be more due right now
+                await self._sleep_until_due()
+        finally:
+            if self._calls:
+                await asyncio.gather(*list(self._calls), return_exceptions=True)
+
+    def _call_done(self, task: asyncio.Task[None]) -> None:
+        self._calls.discard(task)
+        self._wake.set()
+
+    async def _sleep_until_due(self) -> None:
+        delay = self._poll_s
+        async with self._journal.read() as conn:
+            due = await outbox.next_due(conn)
+        if due is not None:
+            delay = min(delay, max(0.0, (due - self._clock.now()).total_seconds()))
+        if delay <= 0 and self.in_flight >= self._concurrency:
+            delay = self._poll_s
+        if delay <= 0:
+            return
+        waker = asyncio.ensure_future(self._wake.wait())
+        sleeper = asyncio.ensure_future(self._clock.sleep(delay))
+        try:
+            await asyncio.wait({waker, sleeper}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waker.cancel()
+            sleeper.cancel()
+
+    async def _call(self, row: Row) -> None:
+        owner = (row["entity_kind"], row["entity_id"])
+        async with self._sem:
+            if self._fence() is None:
+                # Lease gone between claim and send: leave it inflight for the next leader.
+                log.warning("not sending rpc %s: lease no longer held", row.id[:12])
+                return
+            started = time.perf_counter()
+            try:
+                result = await self._rpc.call(
+                    row["target"], row["method"], row["path"], row["body"], timeout_s=row["timeout_s"],
+                    idempotency_key=row.id, pool=row["pool"], repeatable=row["repeatable"])
+            except RpcError as exc:
+                self._metrics.rpc_calls.inc(method=row["path"], outcome=type(exc).__name__)
+                self._metrics.rpc_seconds.observe(time.perf_counter() - started, method=row["path"])
+                await self._record_error(row, exc)
+            else:
+                self._metrics.rpc_calls.inc(method=row["path"], outcome="ok")
+                self._metrics.rpc_seconds.observe(time.perf_counter() - started, method=row["path"])
+
+                async def record(tx: WriteTx) -> None:
+                    await outbox.succeed(tx, row, result)
+
+                await self._record(record, row)
+        self._on_done(*owner)
+
+    async def _record_error(self, row: Row, exc: RpcError) -> None:
+        error = exc.as_dict()
+        attempts: int = row["attempts"]
+        if isinstance(exc, RemoteError) and not exc.retryable:
+            reason = f"remote refused: HTTP {exc.status} {exc.code or ''}".rstrip()
+
+            async def fail(tx: WriteTx) -> None:
+                await outbox.fail(tx, row, error, reason=reason)
+
+            await self._record(fail, row)
+            return
+        maybe_sent = not isinstance(exc, TransportError) or exc.sent or isinstance(exc, CallTimeout)
+        if not row["repeatable"] and maybe_sent:
+            async def ambiguous(tx: WriteTx) -> None:
+                await tx.transition(outbox.KIND, row.id, from_state="inflight", version=row.version,
+                                    to_state="ambiguous", reason=f"not safe to repeat and outcome unknown: {exc}",
+                                    changes={"error": error})
+
+            await self._record(ambiguous, row)
+            return
+        if attempts >= row["max_attempts"]:
+            async def give_up(tx: WriteTx) -> None:
+                await outbox.fail(tx, row, error, reason=f"gave up after {attempts} attempts: {exc}")
+
+            await self._record(give_up, row)
+            return
+        at = self._clock.now() + outbox.backoff(attempts, base_s=self._backoff[0], cap_s=self._backoff[1])
+
+        async def later(tx: WriteTx) -> None:
+            await outbox.retry_later(tx, row, error, at=at)
+
+        await self._record(later, row)
+
+    async def _record(self, fn: Callable[[WriteTx], Any], row: Row) -> None:
+        try:
+            await self._committer.run(fn)
+        except StaleRow as exc:
+            # Another orchestrator (after a take-over) settled this intent first.
+            log.warning("outcome of rpc %s not recorded: %s", row.id[:12], exc)
+        except (LeaseLost, NotLeader) as exc:
+            # Fenced: the intent stays inflight and the next leader's recovery settles it.
+            log.warning("outcome of rpc %s not recorded, lease lost: %s", row.id[:12], exc)

@@ -1,0 +1,203 @@
+"""The orchestrator's HTTP RPC client.
+
+- Two connection pools: ``control`` (checkpoint control plane, probes) and
+  ``data`` (bulk transfers), so a burst of data calls never starves control
+  calls of connections.
+- Every call carries ``Authorization: Bearer``, the fencing epoch
+  (``X-Tidelog-Epoch``) and, for outbox calls, the intent id as
+  ``Idempotency-Key``.
+- Every call has a deadline; retries (tenacity) happen only on transport
+  errors and only inside that deadline. A call that is not safe to repeat is
+  retried only when the connection was never made, so the request cannot
+  have reached the server.
+- A non-2xx reply becomes :class:`RemoteError` carrying status, code and
+  detail from the ``{"error": {"code", "detail"}}`` body; it is never retried
+  here — it goes back to the controller, which decides.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from typing import Any, Literal
+
+import aiohttp
+import orjson
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, stop_after_delay, wait_exponential
+
+Pool = Literal["control", "data"]
+
+TOKEN_HEADER = "Authorization"
+EPOCH_HEADER = "X-Tidelog-Epoch"
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+
+
+class RpcError(Exception):
+    """Base of every error a call returns to its caller."""
+
+    def __init__(self, target: str, method: str, path: str, detail: str) -> None:
+        self.target = target
+        self.method = method
+        self.path = path
+        self.detail = detail
+        super().__init__(f"{method} {target.rstrip('/')}{path}: {detail}")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"type": type(self).__name__, "detail": self.detail}
+
+
+class TransportError(RpcError):
+    """No usable reply: refused, reset, timed out, or not JSON. ``sent`` says if it may have arrived."""
+
+    def __init__(self, target: str, method: str, path: str, detail: str, *, sent: bool) -> None:
+        super().__init__(target, method, path, detail)
+        self.sent = sent
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**super().as_dict(), "sent": self.sent}
+
+
+class CallTimeout(TransportError):
+    """The call's deadline passed before a reply arrived."""
+
+
+class RemoteError(RpcError):
+    """The remote answered with a non-2xx status (typed when its body carries an error code)."""
+
+    def __init__(self, target: str, method: str, path: str, status: int, code: str | None,
+                 detail: str) -> None:
+        self.status = status
+        self.code = code
+        super().__init__(target, method, path, f"HTTP {status} {code or '-'} {detail}".rstrip())
+        self.detail = detail
+
+    @property
+    def retryable(self) -> bool:
+        """5xx is the server's trouble and worth another try; 4xx is a decision for the controller."""
+        return self.status >= 500
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"type": "RemoteError", "status": self.status, "code": self.code, "detail": self.detail}
+
+
+def encode_body(body: Any) -> bytes:
+    """JSON bytes for a request body (orjson; stdlib json for integers beyond 64 bits)."""
+    try:
+        return orjson.dumps(body)
+    except TypeError:
+        return json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
+
+
+class RpcClient:
+    """Pooled, authenticated, fenced HTTP calls with deadlines."""
+
+    def __init__(self, *, token: str | None, epoch: Callable[[], int | None] = lambda: None,
+                 control_pool: int = 64, control_per_host: int = 8, data_pool: int = 16,
+                 transport_tries: int = 3, retry_backoff_s: float = 0.2) -> None:
+        if transport_tries < 1:
+            raise ValueError("transport_tries must be >= 1")
+        self._token = token
+        self._epoch = epoch
+        self._limits = {"control": (control_pool, control_per_host), "data": (data_pool, 0)}
+        self._tries = transport_tries
+        self._backoff = retry_backoff_s
+        self._sessions: dict[str, aiohttp.ClientSession] = {}
+
+    async def start(self) -> None:
+        for pool, (limit, per_host) in self._limits.items():
+            if pool not in self._sessions:
+                connector = aiohttp.TCPConnector(limit=limit, limit_per_host=per_host)
+                self._sessions[pool] = aiohttp.ClientSession(connector=connector,
+                                                             json_serialize=lambda o: encode_body(o).decode())
+
+    async def close(self) -> None:
+        sessions, self._sessions = self._sessions, {}
+        for s in sessions.values():
+            await s.close()
+
+    def headers(self, idempotency_key: str | None) -> dict[str, str]:
+        h = {"Accept": "application/json"}
+        if self._token:
+            h[TOKEN_HEADER] = f"Bearer {self._token}"
+        epoch = self._epoch()
+        if epoch is not None:
+            h[EPOCH_HEADER] = str(epoch)
+        if idempotency_key:
+            h[IDEMPOTENCY_HEADER] = idempotency_key
+        return h
+
+    async def call(self, target: str, method: str, path: str, body: Any = None, *, timeout_s: float,
+                   idempotency_key: str | None = None, pool: Pool = "control", repeatable: bool = True,
+                   tries: int | None = None) -> Any:
+        """Call ``method target+path`` and return the parsed JSON reply (``None`` for an empty one).
+
+        Raises :class:`TransportError`/:class:`CallTimeout` when no reply came
+        within ``timeout_s`` over at most ``tries`` attempts, and
+        :class:`RemoteError` for a non-2xx reply.
+        """
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if not self._sessions:
+            await self.start()
+        session = self._sessions[pool]
+        data = None if body is None else encode_body(body)
+        headers = self.headers(idempotency_key)
+        if data is not None:
+            headers["Content-Type"] = "application/json"
+        url = target.rstrip("/") + path
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+
+        def worth_retrying(exc: BaseException) -> bool:
+            if not isinstance(exc, TransportError) or isinstance(exc, CallTimeout):
+                return False
+            return repeatable or not exc.sent
+
+        async def attempt() -> Any:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise CallTimeout(target, method, path, f"deadline of {timeout_s:g}s passed", sent=True)
+            try:
+                async with session.request(method, url, data=data, headers=headers,
+                                           timeout=aiohttp.ClientTimeout(total=remaining)) as resp:
+                    raw = await resp.read()
+                    status = resp.status
+            except aiohttp.ClientConnectorError as exc:
+                raise TransportError(target, method, path, f"cannot connect: {exc.os_error or exc}",
+                                     sent=False) from None
+            except asyncio.TimeoutError:
+                raise CallTimeout(target, method, path, f"no reply within {timeout_s:g}s", sent=True) from None
+            except aiohttp.ClientError as exc:
+                raise TransportError(target, method, path, f"{type(exc).__name__}: {exc}", sent=True) from None
+            return self._decode(target, method, path, status, raw)
+
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(tries or self._tries) | stop_after_delay(timeout_s),
+            wait=wait_exponential(multiplier=self._backoff, max=max(self._backoff, 2.0)),
+            retry=retry_if_exception(worth_retrying), reraise=True)
+        return await retrying(attempt)
+
+    @staticmethod
+    def _decode(target: str, method: str, path: str, status: int, raw: bytes) -> Any:
+        parsed: Any = None
+        if raw:
+            try:
+                parsed = orjson.loads(raw)
+            except orjson.JSONDecodeError:
+                try:
+                    parsed = json.loads(raw)
+                except ValueError:
+                    if 200 <= status < 300:
+                        raise TransportError(target, method, path, f"HTTP {status} reply is not JSON",
+                                             sent=True) from None
+                    parsed = None
+        if 200 <= status < 300:
+            return parsed
+        code: str | None = None
+        detail = raw[:200].decode("utf-8", "replace") if raw else ""
+        if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
+            err = parsed["error"]
+            code = err.get("code") if isinstance(err.get("code"), str) else None
+            detail = str(err.get("detail", ""))
+        raise RemoteError(target, method, path, status, code, detail)

@@ -1,0 +1,153 @@
+"""The orchestrator: journal + leader lease + reconciler + dispatcher (+ HTTP API in ``serve``).
+
+Only the lease holder runs the reconciler and the dispatcher. On election (and
+on take-over) it recovers intents left in flight, queues every non-terminal
+row (start-up is just a full resync) and starts both loops. When the lease is
+lost, both stop at once; a write already under way is refused by the journal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from journal import Fence, Journal, LeaseLost, schema
+
+from .clock import Clock, SystemClock
+from .committer import GroupCommitter
+from .config import Settings
+from .controllers.discovery import DiscoveryController, DiscoverySettings, sync_configured
+from .crash import CrashHooks
+from .dispatcher import Dispatcher
+from .leader import Leader
+from .metrics import Metrics
+from .reconciler import Controller, Reconciler
+from .rpc import RpcClient
+
+log = logging.getLogger("tidelog.service")
+
+
+def open_journal(settings: Settings, clock: Clock | None = None, actor: str = "tidelog") -> Journal:
+    c = clock or SystemClock()
+    return Journal.open(settings.journal.url, clock=c.now, actor=actor,
+                        busy_timeout_ms=settings.journal.busy_timeout_ms, pool_size=settings.journal.pool_size)
+
+
+class Orchestrator:
+    """Everything but the HTTP API; tests and the crash harness run it directly."""
+
+    def __init__(self, settings: Settings, *, journal: Journal | None = None, clock: Clock | None = None,
+                 controllers: list[Controller] | None = None, with_discovery: bool = True) -> None:
+        self.settings = settings
+        self.clock = clock or SystemClock()
+        self.holder = settings.orchestrator.holder()
+        self.journal = journal or open_journal(settings, self.clock, actor=self.holder)
+        self.metrics = Metrics()
+        self.leader = Leader(self.journal, self.holder, self.clock, ttl_s=settings.orchestrator.lease_ttl_s,
+                             renew_s=settings.orchestrator.lease_renew_s, on_elected=self._elected,
+                             on_lost=self._lost)
+        self.committer = GroupCommitter(self.journal, self.leader.fence, max_batch=settings.reconciler.max_batch,
+                                        on_lease_lost=self.leader.lost)
+        r = settings.rpc
+        self.rpc = RpcClient(token=settings.token(), epoch=lambda: self.leader.epoch,
+                             control_pool=r.control_pool, control_per_host=r.control_per_host,
+                             data_pool=r.data_pool, transport_tries=r.transport_tries,
+                             retry_backoff_s=r.retry_backoff_s)
+        self.reconciler = Reconciler(self.journal, self.committer, self.clock,
+                                     concurrency=settings.reconciler.concurrency,
+                                     resync_interval_s=settings.reconciler.resync_interval_s,
+                                     metrics=self.metrics, services={"rpc": self.rpc})
+        d = settings.dispatcher
+        self.dispatcher = Dispatcher(self.journal, self.committer, self.rpc, self.clock, self.leader.fence,
+                                     self.reconciler.enqueue, concurrency=d.concurrency, batch=d.batch,
+                                     poll_s=d.poll_s, backoff_base_s=d.backoff_base_s,
+                                     backoff_cap_s=d.backoff_cap_s, metrics=self.metrics)
+        self.discovery: DiscoveryController | None = None
+        if with_discovery:
+            ds = settings.discovery
+            self.discovery = DiscoveryController(self.rpc, DiscoverySettings(
+                ds.probe_timeout_s, ds.probe_tries, ds.interval_s, ds.max_backoff_s), self.metrics)
+            self.reconciler.register(self.discovery)
+        for controller in controllers or []:
+            self.reconciler.register(controller)
+        self.with_discovery = with_discovery
+        # Crash hooks run first, so an armed hook kills the process before any wake-up.
+        self.journal.add_commit_listener(CrashHooks())
+        self.journal.add_commit_listener(self.reconciler.on_commit)
+        self.journal.add_commit_listener(self.dispatcher.on_commit)
+        self._work: list[asyncio.Task[None]] = []
+        self._leader_task: asyncio.Task[None] | None = None
+        self.stopped = asyncio.Event()
+
+    @property
+    def is_leader(self) -> bool:
+        return self.leader.is_leader
+
+    async def check_schema(self) -> str:
+        return await schema.check_schema(self.journal)
+
+    async def start(self) -> None:
+        await self.check_schema()
+        await self.rpc.start()
+        self._leader_task = asyncio.create_task(self.leader.run(), name="tidelog-leader")
+
+    async def _elected(self, fence: Fence) -> None:
+        await self._stop_work()
+        log.info("elected leader", extra={"holder": fence.holder, "epoch": fence.epoch})
+        self.metrics.leader.set(1)
+        self.metrics.epoch.set(fence.epoch)
+        try:
+            if self.with_discovery:
+                configured: Mapping[str, str] = {p.name: p.url for p in self.settings.participants}
+
+                async def sync(tx: Any) -> list[str]:
+                    return await sync_configured(tx, configured)
+
+                await self.committer.run(sync)
+            await self.dispatcher.recover()
+        except (LeaseLost, Exception):
+            log.exception("start-up recovery failed; stepping down")
+            self.leader.lost()
+            return
+        self._work = [asyncio.create_task(self._run_reconciler(), name="tidelog-reconciler"),
+                      asyncio.create_task(self.dispatcher.run(), name="tidelog-dispatcher")]
+
+    async def _run_reconciler(self) -> None:
+        try:
+            await self.reconciler.run()
+        except LeaseLost as exc:
+            self.leader.lost(exc)
+
+    async def _lost(self) -> None:
+        self.metrics.leader.set(0)
+        await self._stop_work()
+
+    async def _stop_work(self) -> None:
+        work, self._work = self._work, []
+        for t in work:
+            t.cancel()
+        if work:
+            await asyncio.gather(*work, return_exceptions=True)
+
+    async def stop(self) -> None:
+        """Graceful stop: finish in-flight work within the grace period, release the lease."""
+        grace = self.settings.orchestrator.shutdown_grace_s
+        fence = self.leader.fence()
+        try:
+            await asyncio.wait_for(self._stop_work(), timeout=grace)
+        except asyncio.TimeoutError:
+            log.warning("in-flight work did not finish within %.1fs; recovery will settle it", grace)
+        if self._leader_task is not None:
+            self._leader_task.cancel()
+            await asyncio.gather(self._leader_task, return_exceptions=True)
+        await self.committer.close()
+        try:
+            if fence is not None:
+                await self.leader.release(fence)
+        except Exception:
+            log.exception("could not release the lease; a standby takes over when it lapses")
+        await self.rpc.close()
+        await self.journal.dispose()
+        self.stopped.set()

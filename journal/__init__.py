@@ -1,0 +1,33 @@
+"""Tidelog's journal: the durable store and nothing else.
+
+Public API: open a :class:`Journal`, write in ``async with journal.write(fence)``
+through :class:`WriteTx` (``create``/``transition``), queue RPC intents with
+:mod:`journal.outbox`, hold the leader lease with :mod:`journal.lease`, and
+audit with :mod:`journal.audit`. This package imports no HTTP, Ray or torch.
+"""
+
+from .database import Committed, Fence, Journal, JournalURL, utcnow
+from .errors import (
+    DuplicateEntity,
+    EntityNotFound,
+    IllegalTransition,
+    InvalidColumn,
+    InvalidPayload,
+    JournalError,
+    LeaseLost,
+    SchemaMismatch,
+    StaleRow,
+    UnknownEntityKind,
+    UnknownState,
+    UnsupportedJournalURL,
+)
+from .machines import StateMachine
+from .registry import EntityKind, KindRegistry, builtin_kinds
+from .writes import Row, WriteTx
+
+__all__ = [
+    "Committed", "DuplicateEntity", "EntityKind", "EntityNotFound", "Fence", "IllegalTransition",
+    "InvalidColumn", "InvalidPayload", "Journal", "JournalError", "JournalURL", "KindRegistry",
+    "LeaseLost", "Row", "SchemaMismatch", "StaleRow", "StateMachine", "UnknownEntityKind",
+    "UnknownState", "UnsupportedJournalURL", "WriteTx", "builtin_kinds", "utcnow",
+]

@@ -1,0 +1,204 @@
+"""Opening a journal: URL checks, engine set-up per backend, read and write transactions.
+
+SQLite (the embedded default) runs in WAL mode with ``synchronous=FULL``,
+foreign keys on and a busy timeout; every write transaction starts with
+``BEGIN IMMEDIATE`` so it holds the single writer lock from its first
+statement and can never deadlock on a lock upgrade. PostgreSQL runs through
+asyncpg at READ COMMITTED; the fence check takes a share lock on the lease row
+so a take-over waits for writes already under way under the old epoch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Literal
+
+import sqlalchemy as sa
+from sqlalchemy import event
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+
+from .errors import UnsupportedJournalURL
+from .registry import KindRegistry, builtin_kinds
+from .types import dumps, loads
+
+Backend = Literal["sqlite", "postgresql"]
+Clock = Callable[[], datetime]
+
+#: Accepted spellings and the async driver each one maps to.
+_SCHEMES: dict[str, tuple[Backend, str]] = {
+    "sqlite": ("sqlite", "sqlite+aiosqlite"),
+    "sqlite+aiosqlite": ("sqlite", "sqlite+aiosqlite"),
+    "postgres": ("postgresql", "postgresql+asyncpg"),
+    "postgresql": ("postgresql", "postgresql+asyncpg"),
+    "postgresql+asyncpg": ("postgresql", "postgresql+asyncpg"),
+}
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+@dataclass(frozen=True)
+class JournalURL:
+    """A validated journal URL: the backend and the async driver URL."""
+
+    backend: Backend
+    url: sa.URL
+
+    @classmethod
+    def parse(cls, raw: str) -> JournalURL:
+        """Parse ``raw``; raise :class:`UnsupportedJournalURL` for anything else."""
+        try:
+            url = make_url(raw)
+        except ArgumentError:
+            scheme = raw.split(":", 1)[0] if ":" in raw else raw
+            raise UnsupportedJournalURL(scheme) from None
+        entry = _SCHEMES.get(url.drivername)
+        if entry is None:
+            raise UnsupportedJournalURL(url.drivername)
+        backend, driver = entry
+        url = url.set(drivername=driver)
+        if backend == "sqlite" and (not url.database or url.database == ":memory:"):
+            raise UnsupportedJournalURL("sqlite (in-memory: the journal must be a file)")
+        return cls(backend, url)
+
+    def redacted(self) -> str:
+        """The URL with any password hidden, safe for logs and errors."""
+        return self.url.render_as_string(hide_password=True)
+
+
+@dataclass(frozen=True)
+class Fence:
+    """Who writes: the lease name, the holder, and the epoch the holder claims."""
+
+    lease: str
+    holder: str
+    epoch: int
+
+
+@dataclass(frozen=True)
+class Committed:
+    """One entity write made durable by a commit (handed to commit listeners)."""
+
+    kind: str
+    entity_id: str
+    from_state: str | None
+    to_state: str
+    version: int
+
+
+CommitListener = Callable[[Sequence[Committed]], None]
+
+
+def _install_sqlite_pragmas(engine: AsyncEngine, busy_timeout_ms: int) -> None:
+    @event.listens_for(engine.sync_engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        # Let SQLAlchemy's "begin" event decide how a transaction starts.
+        dbapi_connection.isolation_level = None
+        cur = dbapi_connection.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA synchronous=FULL")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
+        cur.close()
+
+    @event.listens_for(engine.sync_engine, "begin")
+    def _on_begin(conn: sa.Connection) -> None:
+        mode = conn.get_execution_options().get("tidelog_begin", "DEFERRED")
+        conn.exec_driver_sql(f"BEGIN {mode}")
+
+
+def create_engine(url: JournalURL, *, busy_timeout_ms: int = 5000, pool_size: int = 5) -> AsyncEngine:
+    """An async engine for ``url`` with the journal's durability settings."""
+    kwargs: dict[str, Any] = {"json_serializer": dumps, "json_deserializer": loads}
+    if url.backend == "sqlite":
+        kwargs["connect_args"] = {"timeout": busy_timeout_ms / 1000}
+    else:
+        kwargs["pool_size"] = pool_size
+        kwargs["max_overflow"] = pool_size
+        kwargs["pool_pre_ping"] = True
+    engine = create_async_engine(url.url, **kwargs)
+    if url.backend == "sqlite":
+        _install_sqlite_pragmas(engine, busy_timeout_ms)
+    return engine
+
+
+class Journal:
+    """The durable store: a connection pool, the kind registry, a clock and commit listeners.
+
+    Writes happen only in :meth:`write` transactions, through :class:`journal.WriteTx`.
+    """
+
+    def __init__(self, engine: AsyncEngine, url: JournalURL, *, kinds: KindRegistry | None = None,
+                 clock: Clock = utcnow, actor: str = "tidelog") -> None:
+        self.engine = engine
+        self.url = url
+        self.kinds = kinds if kinds is not None else builtin_kinds()
+        self.clock = clock
+        self.actor = actor
+        self._listeners: list[CommitListener] = []
+
+    @classmethod
+    def open(cls, raw_url: str, *, kinds: KindRegistry | None = None, clock: Clock = utcnow,
+             actor: str = "tidelog", busy_timeout_ms: int = 5000, pool_size: int = 5) -> Journal:
+        """Build a journal for ``raw_url`` (no connection is made until first use)."""
+        url = JournalURL.parse(raw_url)
+        engine = create_engine(url, busy_timeout_ms=busy_timeout_ms, pool_size=pool_size)
+        return cls(engine, url, kinds=kinds, clock=clock, actor=actor)
+
+    @property
+    def backend(self) -> Backend:
+        return self.url.backend
+
+    def add_commit_listener(self, listener: CommitListener) -> None:
+        """Call ``listener`` after every commit that wrote entity rows (never inside a transaction)."""
+        self._listeners.append(listener)
+
+    def remove_commit_listener(self, listener: CommitListener) -> None:
+        self._listeners.remove(listener)
+
+    def _notify(self, committed: Sequence[Committed]) -> None:
+        if committed:
+            for listener in list(self._listeners):
+                listener(committed)
+
+    @asynccontextmanager
+    async def read(self) -> AsyncIterator[AsyncConnection]:
+        """A read-only transaction (SQLite: deferred, never takes the writer lock)."""
+        async with self.engine.connect() as conn:
+            async with conn.begin():
+                yield conn
+
+    @asynccontextmanager
+    async def write(self, fence: Fence | None = None) -> AsyncIterator[WriteTx]:
+        """One write transaction; commits on normal exit, rolls back on any exception.
+
+        With a ``fence`` the first statement checks that the fence's holder still
+        holds the lease at that epoch and that it has not expired; otherwise
+        :class:`~journal.errors.LeaseLost` is raised and nothing is written.
+        Commit listeners run after the commit.
+        """
+        from .writes import WriteTx
+
+        async with self.engine.connect() as conn:
+            if self.backend == "sqlite":
+                conn = await conn.execution_options(tidelog_begin="IMMEDIATE")
+            async with conn.begin():
+                tx = WriteTx(self, conn, fence)
+                if fence is not None:
+                    await tx.check_fence()
+                yield tx
+                await tx.flush()
+        self._notify(tx.committed)
+
+    async def dispose(self) -> None:
+        await self.engine.dispose()
+
+
+# Imported late for the type annotation above without an import cycle at module load.
+from .writes import WriteTx  # noqa: E402

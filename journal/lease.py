@@ -1,0 +1,99 @@
+"""The leader lease: one active orchestrator, fenced by a monotonic epoch.
+
+A holder renews its lease before ``expires_at``. Anyone may take over a lease
+that has lapsed; taking over always increments the epoch, even when the lapsed
+holder is the one taking it back, because the lapsed holder's earlier calls may
+still be on the wire. Every fenced write (see :meth:`Journal.write`) checks
+holder, epoch and expiry in its own transaction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+
+from . import models
+from .database import Fence, Journal
+from .errors import LeaseLost
+
+
+@dataclass(frozen=True)
+class LeaseState:
+    name: str
+    holder: str
+    epoch: int
+    expires_at: datetime
+
+    def fence(self) -> Fence:
+        return Fence(self.name, self.holder, self.epoch)
+
+
+async def read_lease(journal: Journal, name: str) -> LeaseState | None:
+    async with journal.read() as conn:
+        row = (await conn.execute(sa.select(models.leases).where(models.leases.c.name == name))).first()
+    return None if row is None else LeaseState(row.name, row.holder, row.epoch, row.expires_at)
+
+
+async def acquire(journal: Journal, name: str, holder: str, ttl_s: float) -> LeaseState | None:
+    """Take, renew or take over the lease; ``None`` when another holder's lease is live.
+
+    A holder that still holds a live lease keeps its epoch (a renewal); a new or
+    lapsed lease is taken with epoch + 1 and the take-over is logged as an event.
+    """
+    t = models.leases
+    async with journal.write() as tx:
+        now = tx.now
+        expires = now + timedelta(seconds=ttl_s)
+        row = (await tx.conn.execute(sa.select(t).where(t.c.name == name).with_for_update())).first()
+        if row is None:
+            # Two candidates may both find no row (PostgreSQL: FOR UPDATE locks nothing that
+            # does not exist yet); the one whose insert loses sees a live lease, not an error.
+            insert = postgresql.insert(t) if journal.backend == "postgresql" else sqlite.insert(t)
+            result = await tx.conn.execute(
+                insert.values(name=name, holder=holder, epoch=1, expires_at=expires,
+                              acquired_at=now, renewed_at=now).on_conflict_do_nothing(index_elements=["name"]))
+            if result.rowcount != 1:
+                return None
+            await tx.log("leases", name, state="held", reason="acquired",
+                         note={"holder": holder, "epoch": 1})
+            return LeaseState(name, holder, 1, expires)
+        if row.expires_at > now:
+            if row.holder != holder:
+                return None
+            await tx.conn.execute(sa.update(t).where(t.c.name == name)
+                                  .values(expires_at=expires, renewed_at=now))
+            return LeaseState(name, holder, row.epoch, expires)
+        epoch = row.epoch + 1
+        await tx.conn.execute(sa.update(t).where(t.c.name == name).values(
+            holder=holder, epoch=epoch, expires_at=expires, acquired_at=now, renewed_at=now))
+        await tx.log("leases", name, state="held", reason="taken over after lapse",
+                     note={"holder": holder, "epoch": epoch, "previous_holder": row.holder,
+                           "previous_epoch": row.epoch,
+                           "previous_expired_at": row.expires_at.isoformat()})
+        return LeaseState(name, holder, epoch, expires)
+
+
+async def renew(journal: Journal, fence: Fence, ttl_s: float) -> LeaseState:
+    """Extend a lease still held at ``fence.epoch``; :class:`LeaseLost` otherwise."""
+    t = models.leases
+    async with journal.write(fence) as tx:
+        expires = tx.now + timedelta(seconds=ttl_s)
+        await tx.conn.execute(sa.update(t).where(t.c.name == fence.lease)
+                              .values(expires_at=expires, renewed_at=tx.now))
+    return LeaseState(fence.lease, fence.holder, fence.epoch, expires)
+
+
+async def release(journal: Journal, fence: Fence) -> bool:
+    """Let the lease lapse now so a standby takes over at once (graceful shutdown)."""
+    t = models.leases
+    try:
+        async with journal.write(fence) as tx:
+            await tx.conn.execute(sa.update(t).where(t.c.name == fence.lease).values(expires_at=tx.now))
+            await tx.log("leases", fence.lease, state="released", reason="released on shutdown",
+                         note={"holder": fence.holder, "epoch": fence.epoch})
+    except LeaseLost:
+        return False
+    return True

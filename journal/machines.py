@@ -1,0 +1,120 @@
+"""State machines as data.
+
+A :class:`StateMachine` names a kind's states, the states a row may be created
+in, its legal edges and its terminal states. The journal checks every write
+against it before touching the database; nothing else decides legality.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from .errors import IllegalTransition, UnknownState
+
+
+@dataclass(frozen=True)
+class StateMachine:
+    """The legal life of one entity kind.
+
+    Invariants (checked at construction): every edge endpoint is a state;
+    terminal states have no outgoing edges; initial states are states.
+    """
+
+    kind: str
+    initial: frozenset[str]
+    edges: Mapping[str, frozenset[str]]
+    terminal: frozenset[str] = field(default_factory=frozenset)
+
+    @classmethod
+    def build(cls, kind: str, *, initial: Iterable[str], edges: Mapping[str, Iterable[str]],
+              terminal: Iterable[str] = ()) -> StateMachine:
+        return cls(kind, frozenset(initial), {k: frozenset(v) for k, v in edges.items()},
+                   frozenset(terminal))
+
+    def __post_init__(self) -> None:
+        # ``states`` is derived from the edges, so check destinations against the states
+        # declared on their own (initial, terminal, or a source of edges): a misspelt
+        # destination would otherwise silently become a new dead-end state.
+        declared = self.initial | self.terminal | set(self.edges)
+        for src, dsts in self.edges.items():
+            for dst in dsts:
+                if dst not in declared:
+                    raise ValueError(f"{self.kind}: edge {src} -> {dst} ends outside the machine")
+            if src in self.terminal and dsts:
+                raise ValueError(f"{self.kind}: terminal state {src!r} has outgoing edges")
+        if not self.initial:
+            raise ValueError(f"{self.kind}: a machine needs at least one initial state")
+
+    @property
+    def states(self) -> frozenset[str]:
+        out = set(self.initial) | set(self.terminal) | set(self.edges)
+        for dsts in self.edges.values():
+            out |= dsts
+        return frozenset(out)
+
+    @property
+    def active(self) -> frozenset[str]:
+        """States the reconciler still has to look at."""
+        return self.states - self.terminal
+
+    def allowed(self, from_state: str) -> frozenset[str]:
+        return self.edges.get(from_state, frozenset())
+
+    def check_state(self, state: str) -> None:
+        if state not in self.states:
+            raise UnknownState(self.kind, state, self.states)
+
+    def check_initial(self, entity_id: str, state: str) -> None:
+        self.check_state(state)
+        if state not in self.initial:
+            raise IllegalTransition(self.kind, entity_id, None, state, self.initial)
+
+    def check(self, entity_id: str, from_state: str, to_state: str) -> None:
+        """Raise :class:`IllegalTransition` unless ``from_state -> to_state`` is an edge."""
+        self.check_state(from_state)
+        self.check_state(to_state)
+        if to_state not in self.allowed(from_state):
+            raise IllegalTransition(self.kind, entity_id, from_state, to_state, self.allowed(from_state))
+
+    def edge_list(self) -> list[tuple[str, str]]:
+        return sorted((s, d) for s, dsts in self.edges.items() for d in dsts)
+
+    def mermaid(self) -> str:
+        """The machine as a mermaid ``stateDiagram-v2`` (used by docs/architecture.md)."""
+        lines = ["stateDiagram-v2"]
+        lines += [f"    [*] --> {s}" for s in sorted(self.initial)]
+        lines += [f"    {s} --> {d}" for s, d in self.edge_list()]
+        lines += [f"    {s} --> [*]" for s in sorted(self.terminal)]
+        return "\n".join(lines)
+
+
+PARTICIPANTS = StateMachine.build(
+    "participants",
+    # A configured server starts `pending` until its first probe answers.
+    initial=["pending"],
+    edges={
+        "pending": ["healthy", "unreachable", "incompatible", "removed"],
+        # Self-edges record a change of phase/instance/failure count on a live row.
+        "healthy": ["healthy", "unreachable", "incompatible", "removed"],
+        "unreachable": ["unreachable", "healthy", "incompatible", "removed"],
+        "incompatible": ["incompatible", "healthy", "unreachable", "removed"],
+        # A server put back into the configuration is probed again from scratch.
+        "removed": ["pending"],
+    },
+)
+
+RPC_CALLS = StateMachine.build(
+    "rpc_calls",
+    initial=["pending"],
+    edges={
+        "pending": ["inflight", "failed"],
+        # inflight -> pending: a transport error with attempts left, or recovery of a
+        # repeatable call found in flight after a crash (same idempotency key).
+        "inflight": ["succeeded", "failed", "pending", "ambiguous"],
+        # An ambiguous call (not safe to repeat, outcome unknown) is settled from evidence
+        # or by an operator, never by re-sending it.
+        "ambiguous": ["succeeded", "failed"],
+    },
+    terminal=["succeeded", "failed"],
+)

@@ -1,0 +1,113 @@
+"""The journal's tables.
+
+Every entity table has ``id``, ``state``, ``version``, ``created_at`` and
+``updated_at`` plus its own typed columns, so an operator can audit it with
+plain SQL. ``events`` is the append-only history of every entity; ``leases``
+holds the leader lease and its fencing epoch. Schema changes go through the
+Alembic revisions in ``migrations/``; a test proves they match these models.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+
+from .types import BigIntPK, JSONValue, UTCDateTime
+
+NAMING = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+metadata = sa.MetaData(naming_convention=NAMING)
+
+
+def entity_columns() -> list[sa.Column[Any]]:
+    """The columns every entity table starts with (a fresh set per table)."""
+    return [
+        sa.Column("id", sa.String(255), primary_key=True),
+        sa.Column("state", sa.String(64), nullable=False),
+        sa.Column("version", sa.Integer, nullable=False),
+        sa.Column("created_at", UTCDateTime(), nullable=False),
+        sa.Column("updated_at", UTCDateTime(), nullable=False),
+    ]
+
+
+events = sa.Table(
+    "events",
+    metadata,
+    sa.Column("seq", BigIntPK, primary_key=True, autoincrement=True),
+    sa.Column("entity_kind", sa.String(64), nullable=False),
+    sa.Column("entity_id", sa.String(255), nullable=False),
+    sa.Column("from_state", sa.String(64), nullable=True),
+    sa.Column("to_state", sa.String(64), nullable=False),
+    # The entity's version after this event: folding checks it step by step.
+    sa.Column("version", sa.Integer, nullable=False),
+    sa.Column("reason", sa.Text, nullable=False),
+    sa.Column("actor", sa.String(255), nullable=False),
+    sa.Column("epoch", sa.BigInteger, nullable=True),
+    sa.Column("payload", JSONValue(), nullable=True),
+    sa.Column("ts", UTCDateTime(), nullable=False),
+    sa.Index("ix_events_entity", "entity_kind", "entity_id", "seq"),
+    sa.Index("ix_events_ts", "ts"),
+)
+
+leases = sa.Table(
+    "leases",
+    metadata,
+    sa.Column("name", sa.String(64), primary_key=True),
+    sa.Column("holder", sa.String(255), nullable=False),
+    sa.Column("epoch", sa.BigInteger, nullable=False),
+    sa.Column("expires_at", UTCDateTime(), nullable=False),
+    sa.Column("acquired_at", UTCDateTime(), nullable=False),
+    sa.Column("renewed_at", UTCDateTime(), nullable=False),
+)
+
+rpc_calls = sa.Table(
+    "rpc_calls",
+    metadata,
+    *entity_columns(),
+    sa.Column("entity_kind", sa.String(64), nullable=False),
+    sa.Column("entity_id", sa.String(255), nullable=False),
+    sa.Column("target", sa.Text, nullable=False),
+    sa.Column("method", sa.String(8), nullable=False),
+    sa.Column("path", sa.Text, nullable=False),
+    sa.Column("body", JSONValue(), nullable=True),
+    sa.Column("timeout_s", sa.Float, nullable=False),
+    # False for calls that must never be sent twice (an optimizer step).
+    sa.Column("repeatable", sa.Boolean, nullable=False),
+    sa.Column("pool", sa.String(16), nullable=False),
+    sa.Column("attempts", sa.Integer, nullable=False),
+    sa.Column("max_attempts", sa.Integer, nullable=False),
+    sa.Column("next_attempt_at", UTCDateTime(), nullable=False),
+    sa.Column("result", JSONValue(), nullable=True),
+    sa.Column("error", JSONValue(), nullable=True),
+    sa.Index("ix_rpc_calls_owner", "entity_kind", "entity_id"),
+    # The dispatcher only ever scans due pending calls; keep that scan small.
+    sa.Index("ix_rpc_calls_due", "next_attempt_at",
+             sqlite_where=sa.text("state = 'pending'"),
+             postgresql_where=sa.text("state = 'pending'")),
+    sa.Index("ix_rpc_calls_open", "state",
+             sqlite_where=sa.text("state IN ('pending', 'inflight', 'ambiguous')"),
+             postgresql_where=sa.text("state IN ('pending', 'inflight', 'ambiguous')")),
+)
+
+participants = sa.Table(
+    "participants",
+    metadata,
+    *entity_columns(),
+    sa.Column("url", sa.Text, nullable=False),
+    sa.Column("kind", sa.String(32), nullable=True),
+    sa.Column("instance", sa.String(255), nullable=True),
+    sa.Column("phase", sa.String(32), nullable=True),
+    sa.Column("detail", sa.Text, nullable=True),
+    sa.Column("probe_failures", sa.Integer, nullable=False, default=0),
+    sa.Column("last_probe_at", UTCDateTime(), nullable=True),
+    sa.Index("ix_participants_active", "state",
+             sqlite_where=sa.text("state != 'removed'"),
+             postgresql_where=sa.text("state != 'removed'")),
+)

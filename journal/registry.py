@@ -1,0 +1,87 @@
+"""Entity kinds: which table and which state machine belong to a kind name."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import sqlalchemy as sa
+
+from . import machines, models
+from .errors import InvalidColumn, UnknownEntityKind
+from .machines import StateMachine
+
+#: Columns the transition primitive manages itself; callers may never set them.
+MANAGED = frozenset({"id", "state", "version", "created_at", "updated_at"})
+
+
+@dataclass(frozen=True)
+class EntityKind:
+    """A kind of entity: its table (with the standard entity columns) and machine."""
+
+    name: str
+    table: sa.Table
+    machine: StateMachine
+
+    def __post_init__(self) -> None:
+        missing = MANAGED - set(self.table.c.keys())
+        if missing:
+            raise ValueError(f"{self.name}: table {self.table.name} lacks entity columns {sorted(missing)}")
+        if self.machine.kind != self.name:
+            raise ValueError(f"{self.name}: machine is for {self.machine.kind!r}")
+
+    @property
+    def data_columns(self) -> tuple[str, ...]:
+        """Columns the events record and folding rebuilds (everything but the managed ones)."""
+        return tuple(c for c in self.table.c.keys() if c not in MANAGED)
+
+    def check_columns(self, values: dict[str, object]) -> None:
+        for col in values:
+            if col in MANAGED:
+                raise InvalidColumn(self.name, col, "is managed by the journal and cannot be set directly")
+            if col not in self.table.c:
+                raise InvalidColumn(self.name, col, f"is not a column of {self.table.name}")
+
+    def defaults(self) -> dict[str, object]:
+        """The value each data column takes when a create does not name it."""
+        out: dict[str, object] = {}
+        for name in self.data_columns:
+            default = self.table.c[name].default
+            arg = getattr(default, "arg", None)
+            out[name] = arg if default is not None and not callable(arg) else None
+        return out
+
+
+class KindRegistry:
+    """The kinds a journal knows. Later workflows register theirs at start-up."""
+
+    def __init__(self) -> None:
+        self._kinds: dict[str, EntityKind] = {}
+
+    def register(self, kind: EntityKind) -> None:
+        existing = self._kinds.get(kind.name)
+        if existing is not None and existing != kind:
+            raise ValueError(f"entity kind {kind.name!r} is already registered differently")
+        self._kinds[kind.name] = kind
+
+    def get(self, name: str) -> EntityKind:
+        try:
+            return self._kinds[name]
+        except KeyError:
+            raise UnknownEntityKind(name, self._kinds) from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._kinds
+
+    def __iter__(self) -> Iterator[EntityKind]:
+        return iter(self._kinds.values())
+
+    def names(self) -> list[str]:
+        return sorted(self._kinds)
+
+
+def builtin_kinds() -> KindRegistry:
+    reg = KindRegistry()
+    reg.register(EntityKind("participants", models.participants, machines.PARTICIPANTS))
+    reg.register(EntityKind("rpc_calls", models.rpc_calls, machines.RPC_CALLS))
+    return reg

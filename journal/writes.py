@@ -1,0 +1,234 @@
+"""The transition primitive: every row write and its event, in one transaction.
+
+:class:`WriteTx` is handed out by :meth:`Journal.write`. Its two entity
+operations are the only code in Tidelog that writes ``state``:
+
+- :meth:`WriteTx.create` inserts a row in one of its machine's initial states;
+- :meth:`WriteTx.transition` is a compare-and-set on ``state`` and ``version``
+  (``UPDATE … WHERE id=:id AND state=:from AND version=:v``).
+
+Each queues one ``events`` row that records the edge, the columns it set, the
+reason and the actor (orchestrator id and fencing epoch). The events are
+inserted before the commit, so a row change and its event are written together
+or not at all. An operation that raises (illegal edge, stale row, unknown
+column, bad JSON) has written nothing, and the rest of the transaction is still
+usable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from . import models
+from .errors import DuplicateEntity, InvalidPayload, LeaseLost, StaleRow
+from .types import dumps
+
+if TYPE_CHECKING:
+    from .database import Committed, Fence, Journal
+
+
+def jsonable(value: Any) -> Any:
+    """The form a column value takes inside an event payload (and when folding).
+
+    Datetimes are recorded in UTC, the form the row gives back on every backend,
+    so folding compares like with like; a naive datetime is refused here, before
+    anything is written (the column type would refuse it too, but only as a
+    driver-wrapped error from inside the statement).
+    """
+    if isinstance(value, datetime):
+        if value.tzinfo is None:
+            raise InvalidPayload("timestamp", f"naive datetime {value.isoformat()} (journal times are UTC-aware)")
+        return value.astimezone(timezone.utc).isoformat()
+    return value
+
+
+@dataclass(frozen=True)
+class Row:
+    """A snapshot of an entity row as read inside a transaction."""
+
+    kind: str
+    id: str
+    state: str
+    version: int
+    values: Mapping[str, Any]
+
+    def __getitem__(self, column: str) -> Any:
+        return self.values[column]
+
+
+class WriteTx:
+    """One open write transaction. Use only inside ``async with journal.write()``."""
+
+    def __init__(self, journal: Journal, conn: AsyncConnection, fence: Fence | None) -> None:
+        self.journal = journal
+        self.conn = conn
+        self.fence = fence
+        self.now = journal.clock()
+        self.committed: list[Committed] = []
+        self._events: list[dict[str, Any]] = []
+
+    # -- fencing ---------------------------------------------------------------------------
+    async def check_fence(self) -> None:
+        """Refuse the transaction unless the fence's holder holds the lease at its epoch."""
+        fence = self.fence
+        assert fence is not None
+        lease = models.leases
+        # FOR SHARE on PostgreSQL: a take-over (an UPDATE of this row) waits until this
+        # transaction ends, so no write of the old epoch lands after the new epoch began.
+        # SQLite ignores it; BEGIN IMMEDIATE already serializes every writer.
+        stmt = (sa.select(lease.c.holder, lease.c.epoch, lease.c.expires_at)
+                .where(lease.c.name == fence.lease).with_for_update(read=True))
+        row = (await self.conn.execute(stmt)).first()
+        if row is None:
+            raise LeaseLost(fence.lease, fence.holder, fence.epoch, None, None, "no lease row")
+        if row.holder != fence.holder or row.epoch != fence.epoch:
+            raise LeaseLost(fence.lease, fence.holder, fence.epoch, row.holder, row.epoch,
+                            "another holder or epoch took over")
+        if row.expires_at <= self.now:
+            raise LeaseLost(fence.lease, fence.holder, fence.epoch, row.holder, row.epoch,
+                            f"lease expired at {row.expires_at.isoformat()}")
+
+    # -- entity operations -----------------------------------------------------------------
+    async def create(self, kind: str, entity_id: str, *, reason: str, state: str | None = None,
+                     values: Mapping[str, Any] | None = None, note: Mapping[str, Any] | None = None,
+                     if_absent: bool = False) -> Committed | None:
+        """Insert ``kind``/``entity_id`` in an initial state and record its first event.
+
+        Columns not named in ``values`` take their declared defaults (and the event
+        records them too, so folding the events rebuilds the whole row). With
+        ``if_absent`` an existing row is left alone and ``None`` is returned;
+        otherwise it raises :class:`DuplicateEntity`.
+        """
+        ek = self.journal.kinds.get(kind)
+        machine = ek.machine
+        if state is None:
+            if len(machine.initial) != 1:
+                raise ValueError(f"{kind}: name the initial state, one of {sorted(machine.initial)}")
+            (state,) = machine.initial
+        machine.check_initial(entity_id, state)
+        given = dict(values or {})
+        ek.check_columns(given)
+        full = ek.defaults()
+        full.update(given)
+        payload = self._payload(kind, full, note)
+        now = self.now
+        row = {**full, "id": entity_id, "state": state, "version": 1, "created_at": now, "updated_at": now}
+        insert = (postgresql.insert(ek.table) if self.journal.backend == "postgresql"
+                  else sqlite.insert(ek.table))
+        result = await self.conn.execute(insert.values(**row).on_conflict_do_nothing(index_elements=["id"]))
+        if result.rowcount != 1:
+            if if_absent:
+                return None
+            raise DuplicateEntity(kind, entity_id)
+        return self._record(kind, entity_id, None, state, 1, reason, payload)
+
+    async def transition(self, kind: str, entity_id: str, *, from_state: str, version: int,
+                         to_state: str, reason: str, changes: Mapping[str, Any] | None = None,
+                         note: Mapping[str, Any] | None = None) -> Committed:
+        """Compare-and-set ``from_state``/``version`` to ``to_state``/``version + 1``.
+
+        Raises :class:`IllegalTransition` for an edge the machine lacks and
+        :class:`StaleRow` when the row is no longer at ``from_state``/``version``;
+        in both cases nothing is written.
+        """
+        ek = self.journal.kinds.get(kind)
+        ek.machine.check(entity_id, from_state, to_state)
+        changes = dict(changes or {})
+        ek.check_columns(changes)
+        payload = self._payload(kind, changes, note)
+        t = ek.table
+        stmt = (sa.update(t)
+                .where(t.c.id == entity_id, t.c.state == from_state, t.c.version == version)
+                .values(state=to_state, version=version + 1, updated_at=self.now, **changes))
+        result = await self.conn.execute(stmt)
+        if result.rowcount != 1:
+            found = (await self.conn.execute(
+                sa.select(t.c.state, t.c.version).where(t.c.id == entity_id))).first()
+            raise StaleRow(kind, entity_id, from_state, version,
+                           None if found is None else found.state,
+                           None if found is None else found.version)
+        return self._record(kind, entity_id, from_state, to_state, version + 1, reason, payload)
+
+    async def get(self, kind: str, entity_id: str) -> Row | None:
+        """Read one row inside this transaction."""
+        ek = self.journal.kinds.get(kind)
+        found = (await self.conn.execute(sa.select(ek.table).where(ek.table.c.id == entity_id))).first()
+        return None if found is None else to_row(kind, found._mapping)
+
+    async def log(self, kind: str, entity_id: str, *, state: str, reason: str,
+                  note: Mapping[str, Any] | None = None) -> None:
+        """Append an event that records something about a non-entity record (a lease).
+
+        It changes no entity row; ``verify`` ignores kinds that are not registered.
+        """
+        if kind in self.journal.kinds:
+            raise ValueError(f"{kind} is an entity kind: use create() or transition()")
+        self._events.append(self._event_row(kind, entity_id, None, state, 0, reason,
+                                            self._payload(kind, {}, note)))
+
+    @asynccontextmanager
+    async def savepoint(self) -> AsyncIterator[None]:
+        """Make a group of operations all-or-nothing inside a shared transaction."""
+        n_events, n_committed = len(self._events), len(self.committed)
+        nested = await self.conn.begin_nested()
+        try:
+            yield
+        except BaseException:
+            await nested.rollback()
+            del self._events[n_events:]
+            del self.committed[n_committed:]
+            raise
+        await nested.commit()
+
+    # -- internals -------------------------------------------------------------------------
+    def _payload(self, kind: str, columns: Mapping[str, Any], note: Mapping[str, Any] | None
+                 ) -> dict[str, Any] | None:
+        payload: dict[str, Any] = {}
+        if columns:
+            payload["set"] = {k: jsonable(v) for k, v in columns.items()}
+        if note:
+            payload["note"] = dict(note)
+        if not payload:
+            return None
+        try:
+            dumps(payload)  # refuse NaN/unserialisable values before anything is written
+        except InvalidPayload as exc:
+            raise InvalidPayload(f"{kind} event payload", str(exc).split(": ", 1)[-1]) from None
+        return payload
+
+    def _event_row(self, kind: str, entity_id: str, from_state: str | None, to_state: str,
+                   version: int, reason: str, payload: dict[str, Any] | None) -> dict[str, Any]:
+        fence = self.fence
+        actor = fence.holder if fence is not None else self.journal.actor
+        return {"entity_kind": kind, "entity_id": entity_id, "from_state": from_state,
+                "to_state": to_state, "version": version, "reason": reason, "actor": actor,
+                "epoch": fence.epoch if fence is not None else None, "payload": payload,
+                "ts": self.now}
+
+    def _record(self, kind: str, entity_id: str, from_state: str | None, to_state: str,
+                version: int, reason: str, payload: dict[str, Any] | None) -> Committed:
+        from .database import Committed
+
+        self._events.append(self._event_row(kind, entity_id, from_state, to_state, version, reason, payload))
+        done = Committed(kind, entity_id, from_state, to_state, version)
+        self.committed.append(done)
+        return done
+
+    async def flush(self) -> None:
+        """Insert the queued events (called once, just before the commit)."""
+        if self._events:
+            await self.conn.execute(sa.insert(models.events), self._events)
+            self._events = []
+
+
+def to_row(kind: str, mapping: Mapping[Any, Any]) -> Row:
+    values = {k: v for k, v in mapping.items() if k not in ("id", "state", "version")}
+    return Row(kind, mapping["id"], mapping["state"], mapping["version"], values)

@@ -1,0 +1,1 @@
+"""Helpers shared by the test suites (journal and engine): databases, clocks, snapshots."""
