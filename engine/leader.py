@@ -42,6 +42,9 @@ class Leader:
         self._on_elected = on_elected
         self._on_lost = on_lost
         self._fence: Fence | None = None
+        #: The epoch this process last held; calls keep carrying it after a loss, so a
+        #: remote that has seen a newer leader refuses them.
+        self.last_epoch: int | None = None
         self._valid_until = 0.0
         self._kick = asyncio.Event()
 
@@ -115,6 +118,7 @@ class Leader:
         self._valid_until = started + self._ttl - self._margin
         if self._fence is None or self._fence.epoch != state.epoch:
             self._fence = state.fence()
+            self.last_epoch = state.epoch
             log.info("leader lease held", extra={"holder": self.holder, "epoch": state.epoch})
             if self._on_elected is not None:
                 await self._on_elected(self._fence)

@@ -95,6 +95,8 @@ class Reconciler:
         self._backoff = error_backoff_s
         self._lease_lost: asyncio.Event = asyncio.Event()
         self._running = False
+        self._draining = False
+        self._busy: set[asyncio.Task[None]] = set()
 
     # -- registration and wake-ups ---------------------------------------------------------
     def register(self, controller: Controller) -> None:
@@ -133,6 +135,7 @@ class Reconciler:
     async def run(self) -> None:
         """Reconcile until cancelled, or until a write finds the lease lost (raises LeaseLost)."""
         self._running = True
+        self._draining = False
         self._lease_lost.clear()
         tasks = [asyncio.create_task(self.queue.run_timers(), name="tidelog-timers"),
                  asyncio.create_task(self._resync_loop(), name="tidelog-resync")]
@@ -160,12 +163,38 @@ class Reconciler:
             await self.clock.sleep(self._resync_interval_s)
 
     async def _worker(self, _n: int) -> None:
-        while True:
+        while not self._draining:
             key = await self.queue.get()
-            try:
-                await self.reconcile_key(key)
-            finally:
+            if self._draining:
                 self.queue.done(key)
+                self.queue.add(key)
+                return
+            # Shielded so that draining lets a reconcile already under way finish.
+            task = asyncio.create_task(self._reconcile_done(key))
+            self._busy.add(task)
+            task.add_done_callback(self._busy.discard)
+            await asyncio.shield(task)
+
+    async def _reconcile_done(self, key: str) -> None:
+        try:
+            await self.reconcile_key(key)
+        finally:
+            self.queue.done(key)
+
+    async def drain(self, grace_s: float) -> None:
+        """Take no new keys; let reconciles under way finish for up to ``grace_s``, then cancel them.
+
+        A reconcile that finishes after the lease was lost has its writes refused by
+        the fence, and any call it makes carries its old epoch, which a remote that
+        has seen the new leader refuses.
+        """
+        self._draining = True
+        busy = list(self._busy)
+        if busy:
+            _, pending = await asyncio.wait(busy, timeout=grace_s)
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
 
     async def reconcile_key(self, key: str) -> None:
         kind, _, entity_id = key.partition(":")

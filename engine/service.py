@@ -51,7 +51,7 @@ class Orchestrator:
         self.committer = GroupCommitter(self.journal, self.leader.fence, max_batch=settings.reconciler.max_batch,
                                         on_lease_lost=self.leader.lost)
         r = settings.rpc
-        self.rpc = RpcClient(token=settings.token(), epoch=lambda: self.leader.epoch,
+        self.rpc = RpcClient(token=settings.token(), epoch=lambda: self.leader.last_epoch,
                              control_pool=r.control_pool, control_per_host=r.control_per_host,
                              data_pool=r.data_pool, transport_tries=r.transport_tries,
                              retry_backoff_s=r.retry_backoff_s)
@@ -126,6 +126,8 @@ class Orchestrator:
 
     async def _stop_work(self) -> None:
         work, self._work = self._work, []
+        if work:
+            await self.reconciler.drain(self.settings.orchestrator.shutdown_grace_s)
         for t in work:
             t.cancel()
         if work:

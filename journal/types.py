@@ -3,7 +3,8 @@
 - ``UTCDateTime``: timestamps are always timezone-aware UTC with microseconds,
   whatever the backend stores (SQLite keeps naive ISO text, PostgreSQL
   ``timestamptz``).
-- JSON columns use ``sa.JSON`` with the journal's own serializer
+- JSON columns use ``sa.JSON`` (declared ``TEXT`` on SQLite, see :class:`JSONText`)
+  with the journal's own serializer
   (:func:`dumps`): key order is kept, floats round-trip through ``repr``,
   integers of any size are exact, and NaN or infinities are refused instead of
   being silently turned into ``null``.
@@ -17,6 +18,7 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Dialect
+from sqlalchemy.ext.compiler import compiles
 
 from .errors import InvalidPayload
 
@@ -57,9 +59,23 @@ class UTCDateTime(sa.types.TypeDecorator[datetime]):
         return value.astimezone(timezone.utc)
 
 
+class JSONText(sa.JSON):
+    """``sa.JSON`` that SQLite declares ``TEXT`` (PostgreSQL: ``json``, which keeps the text).
+
+    SQLite gives a column declared ``JSON`` NUMERIC affinity, which turns the text of a
+    bare number into an INTEGER or REAL: ``2**70`` loses digits, ``1.0`` comes back as
+    ``1`` and ``-0.0`` as ``0``. With TEXT affinity the JSON text is stored as written.
+    """
+
+
+@compiles(JSONText, "sqlite")
+def _json_text_on_sqlite(type_: JSONText, compiler: Any, **kw: Any) -> str:
+    return "TEXT"
+
+
 def JSONValue() -> sa.JSON:  # noqa: N802 - reads like a type in table definitions
     """A JSON column whose SQL NULL stands for Python ``None``."""
-    return sa.JSON(none_as_null=True)
+    return JSONText(none_as_null=True)
 
 
 # SQLite only aliases the rowid for a column declared exactly INTEGER PRIMARY KEY.

@@ -86,7 +86,7 @@ def journal_url(backend: str, tmp_path: Path, request: pytest.FixtureRequest) ->
     try:
         yield server.url_for(name)
     finally:
-        server.drop(name)
+        server.drop_later(name)
 
 
 @pytest.fixture

@@ -48,7 +48,7 @@ def upgrade() -> None:
         sa.Column("reason", sa.Text(), nullable=False),
         sa.Column("actor", sa.String(255), nullable=False),
         sa.Column("epoch", sa.BigInteger(), nullable=True),
-        sa.Column("payload", sa.JSON(none_as_null=True), nullable=True),
+        sa.Column("payload", journal.types.JSONValue(), nullable=True),
         sa.Column("ts", journal.types.UTCDateTime(), nullable=False),
         sa.PrimaryKeyConstraint("seq", name="pk_events"),
     )
@@ -74,15 +74,15 @@ def upgrade() -> None:
         sa.Column("target", sa.Text(), nullable=False),
         sa.Column("method", sa.String(8), nullable=False),
         sa.Column("path", sa.Text(), nullable=False),
-        sa.Column("body", sa.JSON(none_as_null=True), nullable=True),
+        sa.Column("body", journal.types.JSONValue(), nullable=True),
         sa.Column("timeout_s", sa.Float(), nullable=False),
         sa.Column("repeatable", sa.Boolean(), nullable=False),
         sa.Column("pool", sa.String(16), nullable=False),
         sa.Column("attempts", sa.Integer(), nullable=False),
         sa.Column("max_attempts", sa.Integer(), nullable=False),
         sa.Column("next_attempt_at", journal.types.UTCDateTime(), nullable=False),
-        sa.Column("result", sa.JSON(none_as_null=True), nullable=True),
-        sa.Column("error", sa.JSON(none_as_null=True), nullable=True),
+        sa.Column("result", journal.types.JSONValue(), nullable=True),
+        sa.Column("error", journal.types.JSONValue(), nullable=True),
         sa.PrimaryKeyConstraint("id", name="pk_rpc_calls"),
     )
     op.create_index("ix_rpc_calls_owner", "rpc_calls", ["entity_kind", "entity_id"])

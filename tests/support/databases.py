@@ -6,10 +6,12 @@ a subprocess (``tidelog --journal-url ...``) as to :meth:`journal.Journal.open`.
 PostgreSQL: the admin URL comes from ``TIDELOG_TEST_POSTGRES_URL`` (any spelling
 :class:`journal.JournalURL` accepts), else :data:`DEFAULT_POSTGRES_URL`. One
 :class:`PostgresServer` per test session migrates a template database once and
-clones it per test with ``CREATE DATABASE ... TEMPLATE`` (a file copy, much
-faster than running the migrations again). Every database it created is dropped
-(``WITH (FORCE)``, so a subprocess still connected cannot keep one alive) when the
-test ends, and whatever is left, the template included, when the session ends.
+clones it per test with ``CREATE DATABASE ... TEMPLATE`` (a copy, much faster
+than running the migrations again). A clone still costs a few hundred
+milliseconds of server I/O, so a few are made ahead, in background threads,
+while earlier tests run. Every database it created is dropped (``WITH (FORCE)``,
+so a subprocess still connected cannot keep one alive) when the test ends, and
+whatever is left, the template included, when the session ends.
 
 The helpers are blocking; they run their own event loop in a worker thread, so
 they are safe to call from sync code and from inside a running loop alike.
@@ -22,7 +24,8 @@ import os
 import secrets
 import threading
 from collections.abc import Callable, Coroutine
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -37,6 +40,8 @@ ENV_REQUIRE = "TIDELOG_TEST_REQUIRE_POSTGRES"
 DEFAULT_POSTGRES_URL = "postgresql+asyncpg://postgres@127.0.0.1:5432/postgres"
 PROBE_TIMEOUT_S = 2.0
 ADMIN_TIMEOUT_S = 30.0
+#: Migrated clones made ahead of need (they are created concurrently on the server).
+PREFETCH = 3
 
 T = TypeVar("T")
 
@@ -87,6 +92,9 @@ class PostgresServer:
         self._counter = 0
         self._force = True
         self._lock = threading.Lock()
+        self._workers = ThreadPoolExecutor(PREFETCH, thread_name_prefix="tidelog-test-pg")
+        self._ready: deque[Future[str]] = deque()
+        self._background: list[Future[Any]] = []
 
     # -- connection --------------------------------------------------------------------
     @property
@@ -147,18 +155,32 @@ class PostgresServer:
                 self._template_ready = True
         return self.template_name
 
-    def create_migrated(self) -> str:
-        """A new database at the head revision; returns its name."""
-        template = self.ensure_template()
+    def _clone(self, template: str) -> str:
         name = self._new_name()
         self._create(name, template)
         return name
+
+    def create_migrated(self) -> str:
+        """A new database at the head revision (made ahead when possible); returns its name."""
+        template = self.ensure_template()
+        with self._lock:
+            if not self._ready:
+                self._ready.append(self._workers.submit(self._clone, template))
+            next_one = self._ready.popleft()
+            while len(self._ready) < PREFETCH:
+                self._ready.append(self._workers.submit(self._clone, template))
+        return next_one.result()
 
     def create_empty(self) -> str:
         """A new database with no journal schema at all; returns its name."""
         name = self._new_name()
         self._create(name, "template0")
         return name
+
+    def drop_later(self, name: str) -> None:
+        """Drop ``name`` in the background (:meth:`drop_all` waits for it)."""
+        with self._lock:
+            self._background.append(self._workers.submit(self.drop, name))
 
     def drop(self, name: str) -> None:
         force = " WITH (FORCE)" if self._force else ""
@@ -171,6 +193,12 @@ class PostgresServer:
 
     def drop_all(self) -> None:
         """Drop every database this session created, the template last; raise if any remain."""
+        with self._lock:
+            pending = list(self._ready) + self._background
+            self._ready.clear()
+        for future in pending:
+            future.cancel()
+        self._workers.shutdown(wait=True)  # a clone being made is finished, then dropped below
         with self._lock:
             names = sorted(self._created, key=lambda n: n == self.template_name)
         failures = []
