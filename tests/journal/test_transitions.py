@@ -331,6 +331,18 @@ async def test_json_columns_keep_key_order_floats_and_big_ints(journal: Journal)
     assert await audit.verify(journal) == []
 
 
+@pytest.mark.parametrize("value", [2**70 + 1, -(2**64), 1.0, -0.0, 0.1 + 0.2, 1e-310, 1e300, "12", True, None])
+async def test_a_bare_json_scalar_round_trips(journal: Journal, value: Any) -> None:
+    """A JSON column holding a bare number keeps it exactly (SQLite must not coerce its text)."""
+    intent = outbox.Intent(P, "p1", "pending", 1, "http://p1", "POST", "/x", body=value)
+    async with journal.write() as tx:
+        call_id = await outbox.ensure(tx, intent, reason="queued")
+    found = await row(journal, "rpc_calls", call_id)
+    assert found is not None
+    _assert_exact(found["body"], value)
+    assert await audit.verify(journal) == []
+
+
 async def test_commit_listeners_run_after_commit_only(journal: Journal) -> None:
     seen: list[list[Committed]] = []
 
