@@ -61,13 +61,16 @@ class VirtualClock:
 
     async def advance(self, seconds: float) -> None:
         """Move time forward, waking every sleeper due on the way, in order."""
+        for _ in range(20):  # let tasks that are about to sleep register first
+            await asyncio.sleep(0)
         target = self._t + seconds
         while self._sleepers and self._sleepers[0][0] <= target:
             due, _, fut = heapq.heappop(self._sleepers)
             self._t = max(self._t, due)
             if not fut.done():
                 fut.set_result(None)
-            for _ in range(5):  # let the woken task run up to its next await
+            for _ in range(20):  # let the woken task run up to its next await
                 await asyncio.sleep(0)
         self._t = target
-        await asyncio.sleep(0)
+        for _ in range(20):
+            await asyncio.sleep(0)

@@ -46,7 +46,7 @@ def jsonable(value: Any) -> Any:
     if isinstance(value, datetime):
         if value.tzinfo is None:
             raise InvalidPayload("timestamp", f"naive datetime {value.isoformat()} (journal times are UTC-aware)")
-        return value.astimezone(timezone.utc).isoformat()
+        return value.isoformat()
     return value
 
 
