@@ -1,0 +1,167 @@
+"""The dispatcher and the RPC client against a real aiohttp server with scripted replies."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from engine.clock import SystemClock
+from engine.committer import GroupCommitter
+from engine.dispatcher import Dispatcher
+from engine.rpc import CallTimeout, RemoteError, RpcClient, TransportError
+from journal import Journal, audit, lease, outbox
+
+
+class Scripted:
+    """``POST /<name>`` answers per a script of statuses; ``/slow`` never answers in time."""
+
+    def __init__(self) -> None:
+        self.scripts: dict[str, list[int]] = {}
+        self.calls: dict[str, int] = {}
+        self.headers: list[dict[str, str]] = []
+        self.url = ""
+
+    async def handle(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        self.calls[name] = self.calls.get(name, 0) + 1
+        self.headers.append(dict(request.headers))
+        if name == "slow":
+            await asyncio.sleep(5)
+        script = self.scripts.get(name, [200])
+        status = script.pop(0) if len(script) > 1 else script[0]
+        if status == 200:
+            return web.json_response({"ok": name, "body": await request.json()})
+        if status == 409:
+            return web.json_response({"error": {"code": "invalid_phase", "detail": "not now"}}, status=409)
+        return web.Response(status=status, text="server trouble")
+
+    async def start(self) -> web.AppRunner:
+        app = web.Application()
+        app.router.add_post("/{name}", self.handle)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        host, port = runner.addresses[0][:2]
+        self.url = f"http://{host}:{port}"
+        return runner
+
+
+@pytest.fixture
+async def remote() -> AsyncIterator[Scripted]:
+    s = Scripted()
+    runner = await s.start()
+    yield s
+    await runner.cleanup()
+
+
+async def test_rpc_client_errors_are_typed(remote: Scripted) -> None:
+    rpc = RpcClient(token="t0k", epoch=lambda: 7, transport_tries=3, retry_backoff_s=0.01)
+    try:
+        assert (await rpc.call(remote.url, "POST", "/a", {"x": 2**70}, timeout_s=2,
+                               idempotency_key="k1"))["body"] == {"x": 2**70}
+        h = remote.headers[-1]
+        assert (h["Authorization"], h["X-Tidelog-Epoch"], h["Idempotency-Key"]) == ("Bearer t0k", "7", "k1")
+        remote.scripts["b"] = [409]
+        with pytest.raises(RemoteError) as info:
+            await rpc.call(remote.url, "POST", "/b", {}, timeout_s=2)
+        assert (info.value.status, info.value.code, info.value.retryable) == (409, "invalid_phase", False)
+        assert remote.calls["b"] == 1, "a typed protocol error is never retried"
+        with pytest.raises(CallTimeout):
+            await rpc.call(remote.url, "POST", "/slow", {}, timeout_s=0.3)
+        assert remote.calls["slow"] == 1, "a timeout is not retried"
+        with pytest.raises(TransportError) as refused:
+            await rpc.call("http://127.0.0.1:9", "POST", "/x", {}, timeout_s=2, repeatable=False)
+        assert refused.value.sent is False
+    finally:
+        await rpc.close()
+
+
+async def make_dispatcher(journal: Journal, rpc: RpcClient) -> tuple[Dispatcher, GroupCommitter, list[Any]]:
+    held = await lease.acquire(journal, "orchestrator", "test", 60)
+    assert held is not None
+    committer = GroupCommitter(journal, held.fence)
+    woken: list[Any] = []
+    d = Dispatcher(journal, committer, rpc, SystemClock(), held.fence, lambda k, i: woken.append((k, i)),
+                   poll_s=0.05, backoff_base_s=0.01, backoff_cap_s=0.02)
+    journal.add_commit_listener(d.on_commit)
+    return d, committer, woken
+
+
+async def queue(journal: Journal, target: str, path: str, **kw: Any) -> str:
+    async with journal.write() as tx:
+        owner = await tx.create("participants", f"owner{path.replace('/', '-')}", reason="owner",
+                                values={"url": target})
+        assert owner is not None
+        row = await tx.get("participants", owner.entity_id)
+        assert row is not None
+        return await outbox.ensure(tx, outbox.Intent.for_row(row, target=target, method="POST", path=path,
+                                                            body={"p": path}, **kw), reason="test")
+
+
+async def wait_settled(journal: Journal, ids: list[str]) -> dict[str, Any]:
+    for _ in range(200):
+        async with journal.write() as tx:
+            rows = {i: await outbox.get(tx, i) for i in ids}
+        if all(r is not None and r.state in ("succeeded", "failed", "ambiguous") for r in rows.values()):
+            return rows
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"not settled: {rows}")
+
+
+async def test_outcomes_are_recorded_and_owners_woken(journal: Journal, remote: Scripted) -> None:
+    rpc = RpcClient(token=None, transport_tries=1)
+    d, committer, woken = await make_dispatcher(journal, rpc)
+    remote.scripts = {"flaky": [503, 503, 200], "refuse": [409], "broken": [500]}
+    ids = {
+        "ok": await queue(journal, remote.url, "/ok"),
+        "flaky": await queue(journal, remote.url, "/flaky"),
+        "refuse": await queue(journal, remote.url, "/refuse"),
+        "broken": await queue(journal, remote.url, "/broken", max_attempts=3),
+        "step": await queue(journal, remote.url, "/slow", repeatable=False, timeout_s=0.3),
+        "down": await queue(journal, "http://127.0.0.1:9", "/x", max_attempts=2),
+    }
+    task = asyncio.create_task(d.run())
+    try:
+        rows = await wait_settled(journal, list(ids.values()))
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await committer.close()
+        await rpc.close()
+    r = {name: rows[i] for name, i in ids.items()}
+    assert r["ok"].state == "succeeded" and r["ok"]["result"]["body"] == {"p": "/ok"}
+    assert r["flaky"].state == "succeeded" and r["flaky"]["attempts"] == 3 and remote.calls["flaky"] == 3
+    assert r["refuse"].state == "failed" and r["refuse"]["error"]["code"] == "invalid_phase"
+    assert remote.calls["refuse"] == 1
+    assert r["broken"].state == "failed" and r["broken"]["attempts"] == 3 and remote.calls["broken"] == 3
+    # Not safe to repeat and may have arrived: ambiguous, never re-sent.
+    assert r["step"].state == "ambiguous" and remote.calls["slow"] == 1
+    assert r["down"].state == "failed" and r["down"]["error"]["sent"] is False
+    assert {i for _, i in woken} >= {f"owner-{n}" for n in ("ok", "flaky", "refuse", "broken", "slow", "x")}
+    assert await audit.verify(journal) == []
+
+
+async def test_recovery_resends_repeatable_and_parks_the_rest(journal: Journal, remote: Scripted) -> None:
+    rpc = RpcClient(token=None)
+    d, committer, woken = await make_dispatcher(journal, rpc)
+    safe = await queue(journal, remote.url, "/safe")
+    unsafe = await queue(journal, remote.url, "/unsafe", repeatable=False)
+    async with journal.write() as tx:  # a dispatcher claimed both, then died
+        assert len(await outbox.claim_due(tx, limit=10)) == 2
+    recovered = {row.id: row.state for row in await d.recover()}
+    assert recovered == {safe: "pending", unsafe: "ambiguous"}
+    assert ("participants", "owner-unsafe") in woken
+    task = asyncio.create_task(d.run())
+    try:
+        rows = await wait_settled(journal, [safe])
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await committer.close()
+        await rpc.close()
+    assert rows[safe].state == "succeeded"
+    assert remote.calls == {"safe": 1}, "the ambiguous call must never be re-sent"
