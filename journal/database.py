@@ -25,6 +25,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from .errors import UnsupportedJournalURL
 from .registry import KindRegistry, builtin_kinds
 from .types import dumps, loads
+from .writer import AsyncWriter, SqliteWriter, SqliteWriterThread, Writer
 
 Backend = Literal["sqlite", "postgresql"]
 Clock = Callable[[], datetime]
@@ -135,13 +136,14 @@ class Journal:
     """
 
     def __init__(self, engine: AsyncEngine, url: JournalURL, *, kinds: KindRegistry | None = None,
-                 clock: Clock = utcnow, actor: str = "tidelog") -> None:
+                 clock: Clock = utcnow, actor: str = "tidelog", busy_timeout_ms: int = 5000) -> None:
         self.engine = engine
         self.url = url
         self.kinds = kinds if kinds is not None else builtin_kinds()
         self.clock = clock
         self.actor = actor
         self._listeners: list[CommitListener] = []
+        self._sqlite_writer = (SqliteWriterThread(url.url, busy_timeout_ms) if url.backend == "sqlite" else None)
 
     @classmethod
     def open(cls, raw_url: str, *, kinds: KindRegistry | None = None, clock: Clock = utcnow,
@@ -149,7 +151,7 @@ class Journal:
         """Build a journal for ``raw_url`` (no connection is made until first use)."""
         url = JournalURL.parse(raw_url)
         engine = create_engine(url, busy_timeout_ms=busy_timeout_ms, pool_size=pool_size)
-        return cls(engine, url, kinds=kinds, clock=clock, actor=actor)
+        return cls(engine, url, kinds=kinds, clock=clock, actor=actor, busy_timeout_ms=busy_timeout_ms)
 
     @property
     def backend(self) -> Backend:
@@ -183,20 +185,30 @@ class Journal:
         :class:`~journal.errors.LeaseLost` is raised and nothing is written.
         Commit listeners run after the commit.
         """
-        from .writes import WriteTx
-
-        async with self.engine.connect() as conn:
-            if self.backend == "sqlite":
-                conn = await conn.execution_options(tidelog_begin="IMMEDIATE")
-            async with conn.begin():
-                tx = WriteTx(self, conn, fence)
+        async with self._writer() as writer:
+            tx = WriteTx(self, writer, fence)
+            found = await writer.begin(None if fence is None else WriteTx.fence_statement(fence))
+            try:
                 if fence is not None:
-                    await tx.check_fence()
+                    tx.check_fence(found)
                 yield tx
-                await tx.flush()
+            except BaseException:
+                await writer.rollback()
+                raise
+            await writer.finish(*tx.pending_events())
         self._notify(tx.committed)
 
+    @asynccontextmanager
+    async def _writer(self) -> AsyncIterator[Writer]:
+        if self._sqlite_writer is None:
+            yield AsyncWriter(self.engine)
+            return
+        async with self._sqlite_writer.lock:
+            yield SqliteWriter(self._sqlite_writer)
+
     async def dispose(self) -> None:
+        if self._sqlite_writer is not None:
+            await self._sqlite_writer.close()
         await self.engine.dispose()
 
 

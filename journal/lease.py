@@ -47,12 +47,12 @@ async def acquire(journal: Journal, name: str, holder: str, ttl_s: float) -> Lea
     async with journal.write() as tx:
         now = tx.now
         expires = now + timedelta(seconds=ttl_s)
-        row = (await tx.conn.execute(sa.select(t).where(t.c.name == name).with_for_update())).first()
+        row = (await tx.execute(sa.select(t).where(t.c.name == name).with_for_update())).first()
         if row is None:
             # Two candidates may both find no row (PostgreSQL: FOR UPDATE locks nothing that
             # does not exist yet); the one whose insert loses sees a live lease, not an error.
             insert = postgresql.insert(t) if journal.backend == "postgresql" else sqlite.insert(t)
-            result = await tx.conn.execute(
+            result = await tx.execute(
                 insert.values(name=name, holder=holder, epoch=1, expires_at=expires,
                               acquired_at=now, renewed_at=now).on_conflict_do_nothing(index_elements=["name"]))
             if result.rowcount != 1:
@@ -63,11 +63,11 @@ async def acquire(journal: Journal, name: str, holder: str, ttl_s: float) -> Lea
         if row.expires_at > now:
             if row.holder != holder:
                 return None
-            await tx.conn.execute(sa.update(t).where(t.c.name == name)
+            await tx.execute(sa.update(t).where(t.c.name == name)
                                   .values(expires_at=expires, renewed_at=now))
             return LeaseState(name, holder, row.epoch, expires)
         epoch = row.epoch + 1
-        await tx.conn.execute(sa.update(t).where(t.c.name == name).values(
+        await tx.execute(sa.update(t).where(t.c.name == name).values(
             holder=holder, epoch=epoch, expires_at=expires, acquired_at=now, renewed_at=now))
         await tx.log("leases", name, state="held", reason="taken over after lapse",
                      note={"holder": holder, "epoch": epoch, "previous_holder": row.holder,
@@ -81,7 +81,7 @@ async def renew(journal: Journal, fence: Fence, ttl_s: float) -> LeaseState:
     t = models.leases
     async with journal.write(fence) as tx:
         expires = tx.now + timedelta(seconds=ttl_s)
-        await tx.conn.execute(sa.update(t).where(t.c.name == fence.lease)
+        await tx.execute(sa.update(t).where(t.c.name == fence.lease)
                               .values(expires_at=expires, renewed_at=tx.now))
     return LeaseState(fence.lease, fence.holder, fence.epoch, expires)
 
@@ -91,7 +91,7 @@ async def release(journal: Journal, fence: Fence) -> bool:
     t = models.leases
     try:
         async with journal.write(fence) as tx:
-            await tx.conn.execute(sa.update(t).where(t.c.name == fence.lease).values(expires_at=tx.now))
+            await tx.execute(sa.update(t).where(t.c.name == fence.lease).values(expires_at=tx.now))
             await tx.log("leases", fence.lease, state="released", reason="released on shutdown",
                          note={"holder": fence.holder, "epoch": fence.epoch})
     except LeaseLost:

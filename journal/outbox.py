@@ -92,7 +92,7 @@ async def claim_due(tx: WriteTx, *, limit: int) -> list[Row]:
     stmt = (sa.select(t).where(t.c.state == "pending", t.c.next_attempt_at <= tx.now)
             .order_by(t.c.next_attempt_at, t.c.id).limit(limit)
             .with_for_update(skip_locked=True))
-    rows = [to_row(KIND, r._mapping) for r in (await tx.conn.execute(stmt)).all()]
+    rows = [to_row(KIND, r._mapping) for r in (await tx.execute(stmt)).all()]
     claimed = []
     for row in rows:
         attempts = row["attempts"] + 1
@@ -129,7 +129,7 @@ async def recover_inflight(tx: WriteTx) -> list[Row]:
     """
     t = models.rpc_calls
     rows = [to_row(KIND, r._mapping)
-            for r in (await tx.conn.execute(sa.select(t).where(t.c.state == "inflight"))).all()]
+            for r in (await tx.execute(sa.select(t).where(t.c.state == "inflight"))).all()]
     out = []
     for row in rows:
         if row["repeatable"]:

@@ -19,17 +19,18 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from functools import lru_cache
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from . import models
 from .errors import DuplicateEntity, InvalidPayload, LeaseLost, StaleRow
 from .types import dumps
+from .writer import Buffered, Params, Writer
 
 if TYPE_CHECKING:
     from .database import Committed, Fence, Journal
@@ -46,7 +47,7 @@ def jsonable(value: Any) -> Any:
     if isinstance(value, datetime):
         if value.tzinfo is None:
             raise InvalidPayload("timestamp", f"naive datetime {value.isoformat()} (journal times are UTC-aware)")
-        return value.isoformat()
+        return value.astimezone(timezone.utc).isoformat()
     return value
 
 
@@ -67,26 +68,37 @@ class Row:
 class WriteTx:
     """One open write transaction. Use only inside ``async with journal.write()``."""
 
-    def __init__(self, journal: Journal, conn: AsyncConnection, fence: Fence | None) -> None:
+    def __init__(self, journal: Journal, writer: Writer, fence: Fence | None) -> None:
         self.journal = journal
-        self.conn = conn
         self.fence = fence
         self.now = journal.clock()
         self.committed: list[Committed] = []
+        self._w = writer
         self._events: list[dict[str, Any]] = []
 
+    async def execute(self, stmt: sa.Executable, params: Params = None) -> Buffered:
+        """Run a statement in this transaction (for non-entity tables such as ``leases``).
+
+        Entity rows change only through :meth:`create` and :meth:`transition`.
+        """
+        return await self._w.execute(stmt, params)
+
     # -- fencing ---------------------------------------------------------------------------
-    async def check_fence(self) -> None:
-        """Refuse the transaction unless the fence's holder holds the lease at its epoch."""
-        fence = self.fence
-        assert fence is not None
+    @staticmethod
+    @lru_cache(maxsize=8)
+    def fence_statement(fence: Fence) -> sa.Select[Any]:
         lease = models.leases
         # FOR SHARE on PostgreSQL: a take-over (an UPDATE of this row) waits until this
         # transaction ends, so no write of the old epoch lands after the new epoch began.
         # SQLite ignores it; BEGIN IMMEDIATE already serializes every writer.
-        stmt = (sa.select(lease.c.holder, lease.c.epoch, lease.c.expires_at)
+        return (sa.select(lease.c.holder, lease.c.epoch, lease.c.expires_at)
                 .where(lease.c.name == fence.lease).with_for_update(read=True))
-        row = (await self.conn.execute(stmt)).first()
+
+    def check_fence(self, found: Buffered | None) -> None:
+        """Refuse the transaction unless the fence's holder holds the lease at its epoch."""
+        fence = self.fence
+        assert fence is not None and found is not None
+        row = found.first()
         if row is None:
             raise LeaseLost(fence.lease, fence.holder, fence.epoch, None, None, "no lease row")
         if row.holder != fence.holder or row.epoch != fence.epoch:
@@ -121,9 +133,7 @@ class WriteTx:
         payload = self._payload(kind, full, note)
         now = self.now
         row = {**full, "id": entity_id, "state": state, "version": 1, "created_at": now, "updated_at": now}
-        insert = (postgresql.insert(ek.table) if self.journal.backend == "postgresql"
-                  else sqlite.insert(ek.table))
-        result = await self.conn.execute(insert.values(**row).on_conflict_do_nothing(index_elements=["id"]))
+        result = await self._w.execute(_insert_stmt(ek.table, self.journal.backend), row)
         if result.rowcount != 1:
             if if_absent:
                 return None
@@ -145,12 +155,11 @@ class WriteTx:
         ek.check_columns(changes)
         payload = self._payload(kind, changes, note)
         t = ek.table
-        stmt = (sa.update(t)
-                .where(t.c.id == entity_id, t.c.state == from_state, t.c.version == version)
-                .values(state=to_state, version=version + 1, updated_at=self.now, **changes))
-        result = await self.conn.execute(stmt)
+        params = {**changes, "w_id": entity_id, "w_state": from_state, "w_version": version,
+                  "state": to_state, "version": version + 1, "updated_at": self.now}
+        result = await self._w.execute(_update_stmt(t, tuple(sorted(changes))), params)
         if result.rowcount != 1:
-            found = (await self.conn.execute(
+            found = (await self._w.execute(
                 sa.select(t.c.state, t.c.version).where(t.c.id == entity_id))).first()
             raise StaleRow(kind, entity_id, from_state, version,
                            None if found is None else found.state,
@@ -160,7 +169,7 @@ class WriteTx:
     async def get(self, kind: str, entity_id: str) -> Row | None:
         """Read one row inside this transaction."""
         ek = self.journal.kinds.get(kind)
-        found = (await self.conn.execute(sa.select(ek.table).where(ek.table.c.id == entity_id))).first()
+        found = (await self._w.execute(sa.select(ek.table).where(ek.table.c.id == entity_id))).first()
         return None if found is None else to_row(kind, found._mapping)
 
     async def log(self, kind: str, entity_id: str, *, state: str, reason: str,
@@ -178,15 +187,15 @@ class WriteTx:
     async def savepoint(self) -> AsyncIterator[None]:
         """Make a group of operations all-or-nothing inside a shared transaction."""
         n_events, n_committed = len(self._events), len(self.committed)
-        nested = await self.conn.begin_nested()
+        sp = await self._w.savepoint()
         try:
             yield
         except BaseException:
-            await nested.rollback()
+            await self._w.rollback_to(sp)
             del self._events[n_events:]
             del self.committed[n_committed:]
             raise
-        await nested.commit()
+        await self._w.release(sp)
 
     # -- internals -------------------------------------------------------------------------
     def _payload(self, kind: str, columns: Mapping[str, Any], note: Mapping[str, Any] | None
@@ -222,11 +231,29 @@ class WriteTx:
         self.committed.append(done)
         return done
 
-    async def flush(self) -> None:
-        """Insert the queued events (called once, just before the commit)."""
-        if self._events:
-            await self.conn.execute(sa.insert(models.events), self._events)
-            self._events = []
+    def pending_events(self) -> tuple[sa.Insert | None, list[dict[str, Any]]]:
+        """The event insert to run just before the commit (with its rows)."""
+        events, self._events = self._events, []
+        return (sa.insert(models.events) if events else None), events
+
+
+@lru_cache(maxsize=256)
+def _update_stmt(table: sa.Table, columns: tuple[str, ...]) -> sa.Update:
+    """The compare-and-set UPDATE for ``table`` setting ``columns`` (built once, reused)."""
+    c = table.c
+    setting = ("state", "version", "updated_at", *columns)
+    return (sa.update(table)
+            .where(c.id == sa.bindparam("w_id", type_=c.id.type),
+                   c.state == sa.bindparam("w_state", type_=c.state.type),
+                   c.version == sa.bindparam("w_version", type_=c.version.type))
+            .values({name: sa.bindparam(name, type_=c[name].type) for name in setting}))
+
+
+@lru_cache(maxsize=64)
+def _insert_stmt(table: sa.Table, backend: str) -> sa.Insert:
+    """INSERT … ON CONFLICT (id) DO NOTHING for ``table`` (built once, reused)."""
+    insert = postgresql.insert(table) if backend == "postgresql" else sqlite.insert(table)
+    return insert.on_conflict_do_nothing(index_elements=["id"])
 
 
 def to_row(kind: str, mapping: Mapping[Any, Any]) -> Row:

@@ -166,7 +166,7 @@ async def sync_configured(tx: WriteTx, configured: Mapping[str, str]) -> list[st
     import sqlalchemy as sa
 
     t = models.participants
-    rows = {r.id: r for r in (await tx.conn.execute(sa.select(t.c.id, t.c.state, t.c.version, t.c.url))).all()}
+    rows = {r.id: r for r in (await tx.execute(sa.select(t.c.id, t.c.state, t.c.version, t.c.url))).all()}
     touched: list[str] = []
     for name, url in configured.items():
         row = rows.get(name)

@@ -41,8 +41,7 @@ async def test_refusal_holds_inside_a_journal_write_too(journal: Journal) -> Non
     with pytest.raises(sa.exc.DBAPIError, match="append-only"):
         async with journal.write() as tx:
             await tx.create(P, "p3", reason="configured", values={"url": "u3"})
-            await tx.flush()
-            await tx.conn.execute(sa.text("DELETE FROM events WHERE entity_id = 'p1'"))
+            await tx.execute(sa.text("DELETE FROM events WHERE entity_id = 'p1'"))
     assert await snapshot(journal) == before
 
 

@@ -360,3 +360,12 @@ async def test_commit_listeners_run_after_commit_only(journal: Journal) -> None:
     journal.remove_commit_listener(listener)
     await move(journal, "p1", "healthy", 2, "removed")
     assert len(seen) == 1
+
+
+async def test_dispose_is_idempotent_and_a_disposed_journal_can_write_again(journal: Journal) -> None:
+    await add(journal, "p1")
+    await journal.dispose()
+    await journal.dispose()
+    await move(journal, "p1", "pending", 1, "healthy")  # reconnects, like a disposed engine does
+    found = await row(journal, P, "p1")
+    assert found is not None and found["version"] == 2

@@ -1,0 +1,263 @@
+"""How a write transaction reaches each backend.
+
+A :class:`WriteTx` talks to a :class:`Writer`, which runs statements and hands
+back fully buffered results (so no cursor outlives a call).
+
+- SQLite: one dedicated writer thread owns the process's only write
+  connection (SQLite admits a single writer anyway). Each journal call is one
+  hop into that thread — beginning the transaction and checking the fence is
+  one hop, inserting the events and committing is one more — instead of the
+  several hops per statement an async adapter needs. The transaction starts
+  with ``BEGIN IMMEDIATE`` and the connection runs in WAL mode with
+  ``synchronous=FULL``; reads go through the async (aiosqlite) engine on
+  their own connections, which WAL lets run beside the writer.
+- PostgreSQL: a pooled asyncpg connection through SQLAlchemy's async engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import sqlalchemy as sa
+from sqlalchemy import event
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from .types import dumps, loads
+
+T = TypeVar("T")
+Params = dict[str, Any] | Sequence[dict[str, Any]] | None
+
+
+class Buffered:
+    """A statement's result, read to the end inside the call that ran it."""
+
+    __slots__ = ("_rows", "rowcount")
+
+    def __init__(self, rows: list[sa.Row[Any]], rowcount: int) -> None:
+        self._rows = rows
+        self.rowcount = rowcount
+
+    @classmethod
+    def of(cls, result: sa.CursorResult[Any]) -> Buffered:
+        return cls(list(result.all()) if result.returns_rows else [], result.rowcount)
+
+    def all(self) -> list[sa.Row[Any]]:
+        return self._rows
+
+    def first(self) -> sa.Row[Any] | None:
+        return self._rows[0] if self._rows else None
+
+    def one(self) -> sa.Row[Any]:
+        if len(self._rows) != 1:
+            raise LookupError(f"expected one row, got {len(self._rows)}")
+        return self._rows[0]
+
+    def scalar(self) -> Any:
+        return self._rows[0][0] if self._rows else None
+
+    def scalars(self) -> list[Any]:
+        return [r[0] for r in self._rows]
+
+
+class Writer(ABC):
+    """One write transaction at a time on one connection."""
+
+    @abstractmethod
+    async def begin(self, first: sa.Executable | None) -> Buffered | None:
+        """Start the transaction and run ``first`` (the fence check) in the same call."""
+
+    @abstractmethod
+    async def execute(self, stmt: sa.Executable, params: Params = None) -> Buffered:
+        """Run one statement inside the transaction."""
+
+    @abstractmethod
+    async def finish(self, last: sa.Executable | None, params: Params) -> None:
+        """Run ``last`` (the event inserts) and commit, in the same call."""
+
+    @abstractmethod
+    async def rollback(self) -> None: ...
+
+    @abstractmethod
+    async def savepoint(self) -> Any: ...
+
+    @abstractmethod
+    async def release(self, sp: Any) -> None: ...
+
+    @abstractmethod
+    async def rollback_to(self, sp: Any) -> None: ...
+
+
+# -- SQLite -----------------------------------------------------------------------------------
+
+def sqlite_sync_engine(url: sa.URL, busy_timeout_ms: int) -> sa.Engine:
+    """The writer thread's engine: one connection, WAL, FULL, BEGIN IMMEDIATE."""
+    engine = sa.create_engine(url.set(drivername="sqlite+pysqlite"), poolclass=sa.pool.StaticPool,
+                              json_serializer=dumps, json_deserializer=loads,
+                              connect_args={"timeout": busy_timeout_ms / 1000})
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None
+        cur = dbapi_connection.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA synchronous=FULL")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: sa.Connection) -> None:
+        # Take the write lock up front: a deferred transaction that later upgrades can
+        # fail with SQLITE_BUSY instead of waiting on the busy timeout.
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine
+
+
+class SqliteWriterThread:
+    """The thread that owns the SQLite write connection, and the lock that serializes its users."""
+
+    def __init__(self, url: sa.URL, busy_timeout_ms: int) -> None:
+        self.engine = sqlite_sync_engine(url, busy_timeout_ms)
+        self._pool: ThreadPoolExecutor | None = None
+        self._conn: sa.Connection | None = None
+        self.lock = asyncio.Lock()
+
+    def conn(self) -> sa.Connection:
+        if self._conn is None:
+            self._conn = self.engine.connect()
+        return self._conn
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        if self._pool is None:  # first use, or first use after close()
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="tidelog-sqlite-writer")
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+
+    async def close(self) -> None:
+        """Close the write connection and stop the thread; idempotent, and a later write starts afresh
+        (like ``AsyncEngine.dispose``)."""
+        if self._pool is None:
+            return
+
+        def close() -> None:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+            self.engine.dispose()
+
+        await self.run(close)
+        pool, self._pool = self._pool, None
+        pool.shutdown(wait=True)
+
+
+class SqliteWriter(Writer):
+    def __init__(self, thread: SqliteWriterThread) -> None:
+        self._t = thread
+        self._tx: sa.Transaction | None = None
+
+    async def begin(self, first: sa.Executable | None) -> Buffered | None:
+        def go() -> Buffered | None:
+            conn = self._t.conn()
+            self._tx = conn.begin()
+            try:
+                return None if first is None else Buffered.of(conn.execute(first))
+            except BaseException:
+                self._tx.rollback()
+                self._tx = None
+                raise
+
+        return await self._t.run(go)
+
+    async def execute(self, stmt: sa.Executable, params: Params = None) -> Buffered:
+        return await self._t.run(lambda: Buffered.of(self._t.conn().execute(stmt, params)))
+
+    async def finish(self, last: sa.Executable | None, params: Params) -> None:
+        def go() -> None:
+            tx, self._tx = self._tx, None
+            assert tx is not None
+            try:
+                if last is not None:
+                    self._t.conn().execute(last, params)
+                tx.commit()
+            except BaseException:
+                tx.rollback()
+                raise
+
+        await self._t.run(go)
+
+    async def rollback(self) -> None:
+        def go() -> None:
+            tx, self._tx = self._tx, None
+            if tx is not None:
+                tx.rollback()
+
+        await self._t.run(go)
+
+    async def savepoint(self) -> Any:
+        return await self._t.run(lambda: self._t.conn().begin_nested())
+
+    async def release(self, sp: Any) -> None:
+        await self._t.run(sp.commit)
+
+    async def rollback_to(self, sp: Any) -> None:
+        await self._t.run(sp.rollback)
+
+
+# -- PostgreSQL -------------------------------------------------------------------------------
+
+class AsyncWriter(Writer):
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+        self._conn: AsyncConnection | None = None
+
+    async def begin(self, first: sa.Executable | None) -> Buffered | None:
+        self._conn = await self._engine.connect()
+        try:
+            await self._conn.begin()
+            return None if first is None else Buffered.of(await self._conn.execute(first))
+        except BaseException:
+            await self._close(commit=False)
+            raise
+
+    async def execute(self, stmt: sa.Executable, params: Params = None) -> Buffered:
+        assert self._conn is not None
+        return Buffered.of(await self._conn.execute(stmt, params))
+
+    async def finish(self, last: sa.Executable | None, params: Params) -> None:
+        assert self._conn is not None
+        try:
+            if last is not None:
+                await self._conn.execute(last, params)
+        except BaseException:
+            await self._close(commit=False)
+            raise
+        await self._close(commit=True)
+
+    async def rollback(self) -> None:
+        await self._close(commit=False)
+
+    async def _close(self, *, commit: bool) -> None:
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        try:
+            if commit:
+                await conn.commit()
+            else:
+                await conn.rollback()
+        finally:
+            await conn.close()
+
+    async def savepoint(self) -> Any:
+        assert self._conn is not None
+        return await self._conn.begin_nested()
+
+    async def release(self, sp: Any) -> None:
+        await sp.commit()
+
+    async def rollback_to(self, sp: Any) -> None:
+        await sp.rollback()
