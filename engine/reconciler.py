@@ -61,8 +61,7 @@ class Context:
 
     async def get(self, kind: str, entity_id: str) -> Row | None:
         ek = self.journal.kinds.get(kind)
-        async with self.journal.read() as conn:
-            found = (await conn.execute(sa.select(ek.table).where(ek.table.c.id == entity_id))).first()
+        found = (await self.journal.fetch(sa.select(ek.table).where(ek.table.c.id == entity_id))).first()
         return None if found is None else to_row(kind, found._mapping)
 
 

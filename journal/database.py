@@ -25,7 +25,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from .errors import UnsupportedJournalURL
 from .registry import KindRegistry, builtin_kinds
 from .types import dumps, loads
-from .writer import AsyncWriter, SqliteWriter, SqliteWriterThread, Writer
+from .writer import AsyncWriter, Buffered, SqliteWriter, SqliteWriterThread, Writer
 
 Backend = Literal["sqlite", "postgresql"]
 Clock = Callable[[], datetime]
@@ -122,7 +122,7 @@ def create_engine(url: JournalURL, *, busy_timeout_ms: int = 5000, pool_size: in
     else:
         kwargs["pool_size"] = pool_size
         kwargs["max_overflow"] = pool_size
-        kwargs["pool_pre_ping"] = True
+        kwargs["pool_recycle"] = 1800
     engine = create_async_engine(url.url, **kwargs)
     if url.backend == "sqlite":
         _install_sqlite_pragmas(engine, busy_timeout_ms)
@@ -205,6 +205,20 @@ class Journal:
             return
         async with self._sqlite_writer.lock:
             yield SqliteWriter(self._sqlite_writer)
+
+    async def fetch(self, stmt: sa.Executable, params: dict[str, Any] | None = None) -> Buffered:
+        """Run one small read (a point lookup) and return its rows.
+
+        SQLite answers it inline on a dedicated read connection: in WAL mode a
+        reader never waits for the writer, and a primary-key lookup takes
+        microseconds, far less than a hop to a driver thread. PostgreSQL uses
+        a pooled connection. Use :meth:`read` for scans and paging.
+        """
+        if self._sqlite_writer is None:
+            async with self.engine.connect() as conn:
+                return Buffered.of(await conn.execute(stmt, params))
+        reader = self._sqlite_writer.reader()
+        return Buffered.of(reader.execute(stmt, params))
 
     async def dispose(self) -> None:
         if self._sqlite_writer is not None:

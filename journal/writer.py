@@ -3,14 +3,17 @@
 A :class:`WriteTx` talks to a :class:`Writer`, which runs statements and hands
 back fully buffered results (so no cursor outlives a call).
 
-- SQLite: one dedicated writer thread owns the process's only write
-  connection (SQLite admits a single writer anyway). Each journal call is one
-  hop into that thread — beginning the transaction and checking the fence is
-  one hop, inserting the events and committing is one more — instead of the
-  several hops per statement an async adapter needs. The transaction starts
-  with ``BEGIN IMMEDIATE`` and the connection runs in WAL mode with
-  ``synchronous=FULL``; reads go through the async (aiosqlite) engine on
-  their own connections, which WAL lets run beside the writer.
+- SQLite: the process has one write connection (SQLite admits a single
+  writer anyway), used under an asyncio lock by one transaction at a time.
+  The two calls that can wait — ``BEGIN IMMEDIATE`` (for the file lock, up to
+  the busy timeout) and ``COMMIT`` (for the fsync) — run in a dedicated
+  thread, each with the work around it (the fence check; the event inserts),
+  so a transaction costs two thread hops however many statements it runs.
+  The statements in between run on the event loop: once ``BEGIN IMMEDIATE``
+  holds the lock, a statement in WAL mode never waits on another connection,
+  and it takes microseconds. The connection runs in WAL mode with
+  ``synchronous=FULL``; general reads go through the async (aiosqlite) engine
+  on their own connections, which WAL lets run beside the writer.
 - PostgreSQL: a pooled asyncpg connection through SQLAlchemy's async engine.
 """
 
@@ -93,11 +96,18 @@ class Writer(ABC):
 
 # -- SQLite -----------------------------------------------------------------------------------
 
-def sqlite_sync_engine(url: sa.URL, busy_timeout_ms: int) -> sa.Engine:
-    """The writer thread's engine: one connection, WAL, FULL, BEGIN IMMEDIATE."""
+def sqlite_sync_engine(url: sa.URL, busy_timeout_ms: int, begin: str | None = "IMMEDIATE") -> sa.Engine:
+    """An engine with one connection: WAL, FULL, foreign keys, busy timeout; ``BEGIN <begin>``.
+
+    With ``begin=None`` no BEGIN is ever sent, so each statement is its own transaction
+    (a reader that must see every commit: an explicit BEGIN would pin its first snapshot,
+    since an AUTOCOMMIT connection never ends the transaction it did not know it began).
+    """
+    # check_same_thread=False: the connection is used by the writer thread and the event
+    # loop thread, never both at once (the writer lock and the awaited hops order them).
     engine = sa.create_engine(url.set(drivername="sqlite+pysqlite"), poolclass=sa.pool.StaticPool,
                               json_serializer=dumps, json_deserializer=loads,
-                              connect_args={"timeout": busy_timeout_ms / 1000})
+                              connect_args={"timeout": busy_timeout_ms / 1000, "check_same_thread": False})
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
@@ -109,11 +119,12 @@ def sqlite_sync_engine(url: sa.URL, busy_timeout_ms: int) -> sa.Engine:
         cur.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
         cur.close()
 
-    @event.listens_for(engine, "begin")
-    def _on_begin(conn: sa.Connection) -> None:
-        # Take the write lock up front: a deferred transaction that later upgrades can
-        # fail with SQLITE_BUSY instead of waiting on the busy timeout.
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
+    if begin is not None:
+        @event.listens_for(engine, "begin")
+        def _on_begin(conn: sa.Connection) -> None:
+            # Take the write lock up front: a deferred transaction that later upgrades can
+            # fail with SQLITE_BUSY instead of waiting on the busy timeout.
+            conn.exec_driver_sql(f"BEGIN {begin}")
 
     return engine
 
@@ -125,12 +136,20 @@ class SqliteWriterThread:
         self.engine = sqlite_sync_engine(url, busy_timeout_ms)
         self._pool: ThreadPoolExecutor | None = None
         self._conn: sa.Connection | None = None
+        self._reader_engine = sqlite_sync_engine(url, busy_timeout_ms, begin=None)
+        self._reader: sa.Connection | None = None
         self.lock = asyncio.Lock()
 
     def conn(self) -> sa.Connection:
         if self._conn is None:
             self._conn = self.engine.connect()
         return self._conn
+
+    def reader(self) -> sa.Connection:
+        """A connection for inline point reads (autocommit: each statement is its own snapshot)."""
+        if self._reader is None:
+            self._reader = self._reader_engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+        return self._reader
 
     async def run(self, fn: Callable[[], T]) -> T:
         if self._pool is None:  # first use, or first use after close()
@@ -148,6 +167,10 @@ class SqliteWriterThread:
                 self._conn.close()
                 self._conn = None
             self.engine.dispose()
+            if self._reader is not None:
+                self._reader.close()
+                self._reader = None
+            self._reader_engine.dispose()
 
         await self.run(close)
         pool, self._pool = self._pool, None
@@ -173,7 +196,8 @@ class SqliteWriter(Writer):
         return await self._t.run(go)
 
     async def execute(self, stmt: sa.Executable, params: Params = None) -> Buffered:
-        return await self._t.run(lambda: Buffered.of(self._t.conn().execute(stmt, params)))
+        # Inline on purpose: the write lock is held, so this cannot wait on another writer.
+        return Buffered.of(self._t.conn().execute(stmt, params))
 
     async def finish(self, last: sa.Executable | None, params: Params) -> None:
         def go() -> None:
@@ -198,13 +222,13 @@ class SqliteWriter(Writer):
         await self._t.run(go)
 
     async def savepoint(self) -> Any:
-        return await self._t.run(lambda: self._t.conn().begin_nested())
+        return self._t.conn().begin_nested()
 
     async def release(self, sp: Any) -> None:
-        await self._t.run(sp.commit)
+        sp.commit()
 
     async def rollback_to(self, sp: Any) -> None:
-        await self._t.run(sp.rollback)
+        sp.rollback()
 
 
 # -- PostgreSQL -------------------------------------------------------------------------------

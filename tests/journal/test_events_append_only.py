@@ -20,18 +20,16 @@ async def _history(journal: Journal) -> None:
         await tx.transition(P, "p1", from_state="pending", version=1, to_state="healthy", reason="probe ok")
 
 
-@pytest.mark.parametrize("sql", [
-    "UPDATE events SET reason = 'rewritten' WHERE entity_id = 'p1'",
-    "UPDATE events SET to_state = 'removed'",
-    "DELETE FROM events WHERE entity_id = 'p2'",
-    "DELETE FROM events",
-])
-async def test_update_and_delete_of_events_are_refused(journal: Journal, sql: str) -> None:
+async def test_update_and_delete_of_events_are_refused(journal: Journal) -> None:
     await _history(journal)
     before = await snapshot(journal)
-    with pytest.raises(sa.exc.DBAPIError, match="append-only"):
-        await raw_execute(journal, sql)
-    assert await snapshot(journal) == before
+    for sql in ("UPDATE events SET reason = 'rewritten' WHERE entity_id = 'p1'",
+                "UPDATE events SET to_state = 'removed'",
+                "DELETE FROM events WHERE entity_id = 'p2'",
+                "DELETE FROM events"):
+        with pytest.raises(sa.exc.DBAPIError, match="append-only"):
+            await raw_execute(journal, sql)
+        assert await snapshot(journal) == before, sql
 
 
 async def test_refusal_holds_inside_a_journal_write_too(journal: Journal) -> None:
@@ -56,16 +54,16 @@ async def test_truncate_of_events_is_refused_on_postgresql(journal: Journal) -> 
     assert await snapshot(journal) == before
 
 
-async def test_inserting_events_stays_possible(journal: Journal) -> None:
-    await _history(journal)
-    await _history_more(journal)
-    assert len(await events(journal)) == 5
-
-
 async def _history_more(journal: Journal) -> None:
     async with journal.write() as tx:
         await tx.transition(P, "p2", from_state="pending", version=1, to_state="unreachable", reason="probe failed")
         await tx.transition(P, "p2", from_state="unreachable", version=2, to_state="healthy", reason="probe ok")
+
+
+async def test_inserting_events_stays_possible(journal: Journal) -> None:
+    await _history(journal)
+    await _history_more(journal)
+    assert len(await events(journal)) == 5
 
 
 async def test_sequence_is_monotonic_in_commit_and_operation_order(journal: Journal) -> None:

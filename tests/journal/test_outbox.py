@@ -56,16 +56,14 @@ async def test_ensure_is_idempotent(journal: Journal) -> None:
     assert len(await events(journal, K, first)) == 1
 
 
-@pytest.mark.parametrize("field, value", [
-    ("owner_kind", "trainers"), ("owner_id", "p2"), ("owner_state", "unreachable"), ("owner_version", 4),
-    ("target", "http://p1:9001"), ("method", "PUT"), ("path", "/ng-control/v1/restore"),
-])
-async def test_id_differs_with_what_the_call_does(journal: Journal, field: str, value: object) -> None:
-    other = dataclasses.replace(BASE, **{field: value})
-    assert other.id != BASE.id
-    ids = await ensure(journal, BASE, other)
-    assert len(set(ids)) == 2
-    assert len(await events(journal, K)) == 2
+async def test_id_differs_with_what_the_call_does(journal: Journal) -> None:
+    variants = [dataclasses.replace(BASE, **{name: value}) for name, value in [
+        ("owner_kind", "trainers"), ("owner_id", "p2"), ("owner_state", "unreachable"), ("owner_version", 4),
+        ("target", "http://p1:9001"), ("method", "PUT"), ("path", "/ng-control/v1/restore")]]
+    ids = await ensure(journal, BASE, *variants)
+    assert len(set(ids)) == len(ids) == 8
+    assert ids == [BASE.id] + [v.id for v in variants]
+    assert len(await events(journal, K)) == 8
 
 
 def test_id_is_a_stable_function_of_the_decision() -> None:
@@ -86,11 +84,11 @@ async def test_for_row_owns_the_intent_at_the_rows_state_and_version(journal: Jo
         "participants", "p1", "pending", 1)
 
 
-@pytest.mark.parametrize("bad", [{"timeout_s": 0}, {"timeout_s": -1.0}, {"max_attempts": 0}])
-async def test_ensure_refuses_nonsense_settings(journal: Journal, bad: dict[str, float]) -> None:
+async def test_ensure_refuses_nonsense_settings(journal: Journal) -> None:
     before = await snapshot(journal)
-    with pytest.raises(ValueError):
-        await ensure(journal, dataclasses.replace(BASE, **bad))  # type: ignore[arg-type]
+    for bad in ({"timeout_s": 0}, {"timeout_s": -1.0}, {"max_attempts": 0}):
+        with pytest.raises(ValueError):
+            await ensure(journal, dataclasses.replace(BASE, **bad))  # type: ignore[arg-type]
     assert await snapshot(journal) == before
 
 

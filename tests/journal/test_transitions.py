@@ -8,6 +8,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 from journal import (
     Committed,
@@ -130,36 +131,50 @@ class Weird:
     pass
 
 
-@pytest.mark.parametrize("op, error", [
-    (lambda tx: tx.create("gadgets", "g1", reason="x"), UnknownEntityKind),
-    (lambda tx: tx.transition("gadgets", "g1", from_state="a", version=1, to_state="b", reason="x"), UnknownEntityKind),
-    (lambda tx: tx.get("gadgets", "g1"), UnknownEntityKind),
-    (lambda tx: tx.create(P, "p2", reason="x", values={"url": "u", "colour": "red"}), InvalidColumn),
-    (lambda tx: tx.create(P, "p2", reason="x", values={"url": "u", "version": 7}), InvalidColumn),
-    (lambda tx: tx.create(P, "p2", reason="x", values={"url": "u", "created_at": T0}), InvalidColumn),
-    (lambda tx: tx.create(P, "p2", reason="x", values={"url": "u"}, note={"ratio": math.nan}), InvalidPayload),
-    (lambda tx: tx.create(P, "p2", reason="x", values={"url": "u", "last_probe_at": datetime(2026, 1, 1)}),
-     InvalidPayload),
-    (lambda tx: tx.transition(P, "p1", from_state="pending", version=1, to_state="healthy", reason="x",
-                              changes={"colour": "red"}), InvalidColumn),
-    *[(lambda tx, col=col: tx.transition(P, "p1", from_state="pending", version=1, to_state="healthy",
-                                         reason="x", changes={col: "healthy" if col == "state" else 1}),
-       InvalidColumn) for col in ("state", "version", "id", "updated_at")],
-    (lambda tx: tx.transition(P, "p1", from_state="pending", version=1, to_state="healthy", reason="x",
-                              note={"loss": math.nan}), InvalidPayload),
-    (lambda tx: tx.transition(P, "p1", from_state="pending", version=1, to_state="healthy", reason="x",
-                              note={"nested": [1, {"x": -math.inf}]}), InvalidPayload),
-    (lambda tx: tx.transition(P, "p1", from_state="pending", version=1, to_state="healthy", reason="x",
-                              note={"obj": Weird()}), InvalidPayload),
-], ids=lambda v: v.__name__ if isinstance(v, type) else "")
-async def test_refused_operation_raises_typed_error_and_writes_nothing(
-        journal: Journal, op: Callable[[Any], Any], error: type[Exception]) -> None:
+def _pending_to_healthy(**kw: Any) -> Callable[[Any], Any]:
+    return lambda tx: tx.transition(P, "p1", from_state="pending", version=1, to_state="healthy", reason="x", **kw)
+
+
+#: Operations the journal must refuse with a typed error, before writing anything.
+REFUSED: dict[str, tuple[Callable[[Any], Any], type[Exception]]] = {
+    "create of unknown kind": (lambda tx: tx.create("gadgets", "g1", reason="x"), UnknownEntityKind),
+    "transition of unknown kind": (
+        lambda tx: tx.transition("gadgets", "g1", from_state="a", version=1, to_state="b", reason="x"),
+        UnknownEntityKind),
+    "get of unknown kind": (lambda tx: tx.get("gadgets", "g1"), UnknownEntityKind),
+    "create with unknown column": (
+        lambda tx: tx.create(P, "p2", reason="x", values={"url": "u", "colour": "red"}), InvalidColumn),
+    "create setting version": (lambda tx: tx.create(P, "p2", reason="x", values={"url": "u", "version": 7}),
+                               InvalidColumn),
+    "create setting created_at": (
+        lambda tx: tx.create(P, "p2", reason="x", values={"url": "u", "created_at": T0}), InvalidColumn),
+    "create with NaN note": (lambda tx: tx.create(P, "p2", reason="x", values={"url": "u"}, note={"r": math.nan}),
+                             InvalidPayload),
+    "create with naive datetime": (
+        lambda tx: tx.create(P, "p2", reason="x", values={"url": "u", "last_probe_at": datetime(2026, 1, 1)}),
+        InvalidPayload),
+    "transition with unknown column": (_pending_to_healthy(changes={"colour": "red"}), InvalidColumn),
+    "transition setting state": (_pending_to_healthy(changes={"state": "removed"}), InvalidColumn),
+    "transition setting version": (_pending_to_healthy(changes={"version": 9}), InvalidColumn),
+    "transition setting id": (_pending_to_healthy(changes={"id": "p9"}), InvalidColumn),
+    "transition setting updated_at": (_pending_to_healthy(changes={"updated_at": T0}), InvalidColumn),
+    "transition with NaN note": (_pending_to_healthy(note={"loss": math.nan}), InvalidPayload),
+    "transition with nested -inf": (_pending_to_healthy(note={"nested": [1, {"x": -math.inf}]}), InvalidPayload),
+    "transition with unserialisable note": (_pending_to_healthy(note={"obj": Weird()}), InvalidPayload),
+    "transition with naive datetime": (_pending_to_healthy(changes={"last_probe_at": datetime(2026, 1, 1)}),
+                                       InvalidPayload),
+}
+
+
+async def test_refused_operations_raise_typed_errors_and_write_nothing(journal: Journal) -> None:
     await add(journal)
     before = await snapshot(journal)
-    with pytest.raises(error):
-        async with journal.write() as tx:
-            await op(tx)
-    assert await snapshot(journal) == before
+    for case, (op, error) in REFUSED.items():
+        with pytest.raises(error):
+            async with journal.write() as tx:
+                await op(tx)
+                pytest.fail(f"{case}: not refused")
+        assert await snapshot(journal) == before, case
 
 
 async def test_a_refused_operation_leaves_the_transaction_usable(journal: Journal) -> None:
@@ -201,6 +216,21 @@ async def test_failure_mid_transaction_rolls_back_rows_and_events(journal: Journ
         async with journal.write() as tx:
             await tx.transition(P, "p1", from_state="pending", version=1, to_state="healthy", reason="x")
             await tx.transition(P, "p1", from_state="pending", version=1, to_state="healthy", reason="x")
+    assert await snapshot(journal) == before
+    assert notified == []
+
+
+async def test_an_event_that_cannot_be_stored_takes_its_row_change_with_it(journal: Journal) -> None:
+    """Fault injection: the row UPDATE succeeds, the event INSERT (at commit) violates NOT NULL."""
+    await add(journal)
+    notified: list[Sequence[Committed]] = []
+    journal.add_commit_listener(notified.append)
+    before = await snapshot(journal)
+    with pytest.raises(sa.exc.IntegrityError):
+        async with journal.write() as tx:
+            await tx.transition(P, "p1", from_state="pending", version=1, to_state="healthy", reason="fine")
+            await tx.transition(P, "p1", from_state="healthy", version=2, to_state="removed",
+                                reason=None)  # type: ignore[arg-type]
     assert await snapshot(journal) == before
     assert notified == []
 
@@ -331,15 +361,18 @@ async def test_json_columns_keep_key_order_floats_and_big_ints(journal: Journal)
     assert await audit.verify(journal) == []
 
 
-@pytest.mark.parametrize("value", [2**70 + 1, -(2**64), 1.0, -0.0, 0.1 + 0.2, 1e-310, 1e300, "12", True, None])
-async def test_a_bare_json_scalar_round_trips(journal: Journal, value: Any) -> None:
+async def test_bare_json_scalars_round_trip(journal: Journal) -> None:
     """A JSON column holding a bare number keeps it exactly (SQLite must not coerce its text)."""
-    intent = outbox.Intent(P, "p1", "pending", 1, "http://p1", "POST", "/x", body=value)
+    values = [2**70 + 1, -(2**64), 1.0, -0.0, 0.1 + 0.2, 1e-310, 1e300, "12", True, None]
+    intents = [outbox.Intent(P, "p1", "pending", 1, "http://p1", "POST", f"/x/{i}", body=value)
+               for i, value in enumerate(values)]
     async with journal.write() as tx:
-        call_id = await outbox.ensure(tx, intent, reason="queued")
-    found = await row(journal, "rpc_calls", call_id)
-    assert found is not None
-    _assert_exact(found["body"], value)
+        for intent in intents:
+            await outbox.ensure(tx, intent, reason="queued")
+    for intent, value in zip(intents, values):
+        found = await row(journal, "rpc_calls", intent.id)
+        assert found is not None
+        _assert_exact(found["body"], value)
     assert await audit.verify(journal) == []
 
 
@@ -369,3 +402,14 @@ async def test_dispose_is_idempotent_and_a_disposed_journal_can_write_again(jour
     await move(journal, "p1", "pending", 1, "healthy")  # reconnects, like a disposed engine does
     found = await row(journal, P, "p1")
     assert found is not None and found["version"] == 2
+
+
+async def test_fetch_sees_every_commit(journal: Journal) -> None:
+    """``Journal.fetch`` (the reconciler's point read) never answers from an old snapshot."""
+    table = journal.kinds.get(P).table
+    query = sa.select(table.c.state, table.c.version).where(table.c.id == "p1")
+    assert (await journal.fetch(query)).first() is None
+    await add(journal)
+    assert tuple((await journal.fetch(query)).one()) == ("pending", 1)
+    await move(journal, "p1", "pending", 1, "healthy")
+    assert tuple((await journal.fetch(query)).one()) == ("healthy", 2)

@@ -23,13 +23,12 @@ import asyncio
 import os
 import secrets
 import threading
-from collections.abc import Callable, Coroutine
 from collections import deque
+from collections.abc import Callable, Coroutine
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-import sqlalchemy as sa
 
 from journal import schema
 from journal.database import JournalURL
@@ -41,7 +40,7 @@ DEFAULT_POSTGRES_URL = "postgresql+asyncpg://postgres@127.0.0.1:5432/postgres"
 PROBE_TIMEOUT_S = 2.0
 ADMIN_TIMEOUT_S = 30.0
 #: Migrated clones made ahead of need (they are created concurrently on the server).
-PREFETCH = 3
+PREFETCH = 4
 
 T = TypeVar("T")
 
