@@ -47,7 +47,7 @@ from _dbos_peer import measure as measure_dbos  # noqa: E402
 from engine.clock import SystemClock  # noqa: E402
 from engine.committer import GroupCommitter  # noqa: E402
 from engine.reconciler import Context, Reconciler, Result  # noqa: E402
-from journal import EntityKind, Journal, StateMachine, WriteTx, lease, schema  # noqa: E402
+from journal import EntityKind, Journal, StateMachine, Transition, lease, schema  # noqa: E402
 from journal.models import entity_columns  # noqa: E402
 
 KIND = "bench_items"
@@ -107,11 +107,7 @@ class StepController:
         n = row["n"]
         to = "done" if n + 1 >= self.steps else "run"
 
-        async def step(tx: WriteTx) -> None:
-            await tx.transition(KIND, entity_id, from_state=row.state, version=row.version, to_state=to,
-                                reason="step", changes={"n": n + 1})
-
-        await ctx.write(step)
+        await ctx.apply(Transition(KIND, entity_id, row.state, row.version, to, "step", {"n": n + 1}))
         if to == "done":
             self.remaining -= 1
             if self.remaining == 0:

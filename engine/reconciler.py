@@ -27,10 +27,12 @@ from typing import Any, Protocol, TypeVar
 import sqlalchemy as sa
 
 from journal import Committed, Journal, LeaseLost, StaleRow, WriteTx
-from journal.writes import Row, to_row
+from journal.batch import Op
+from journal.writes import Row
 
 from .clock import Clock
 from .committer import GroupCommitter, NotLeader
+from .groupread import GroupReader
 from .metrics import Metrics
 from .workqueue import WorkQueue
 
@@ -54,15 +56,18 @@ class Context:
         self.clock = clock
         self.services = services
         self._committer = committer
+        self._reader = GroupReader(journal)
 
     async def write(self, fn: Callable[[WriteTx], Awaitable[T]]) -> T:
         """Run ``fn`` in a fenced (group-committed) write transaction."""
         return await self._committer.run(fn)
 
+    async def apply(self, *ops: Op) -> list[Committed | None]:
+        """Write declarative operations, all-or-nothing, batched with other controllers' writes."""
+        return await self._committer.apply(*ops)
+
     async def get(self, kind: str, entity_id: str) -> Row | None:
-        ek = self.journal.kinds.get(kind)
-        found = (await self.journal.fetch(sa.select(ek.table).where(ek.table.c.id == entity_id))).first()
-        return None if found is None else to_row(kind, found._mapping)
+        return await self._reader.get(kind, entity_id)
 
 
 class Controller(Protocol):

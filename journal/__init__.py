@@ -6,6 +6,7 @@ through :class:`WriteTx` (``create``/``transition``), queue RPC intents with
 audit with :mod:`journal.audit`. This package imports no HTTP, Ray or torch.
 """
 
+from .batch import Create, Transition
 from .database import Committed, Fence, Journal, JournalURL, utcnow
 from .errors import (
     DuplicateEntity,
@@ -26,8 +27,8 @@ from .registry import EntityKind, KindRegistry, builtin_kinds
 from .writes import Row, WriteTx
 
 __all__ = [
-    "Committed", "DuplicateEntity", "EntityKind", "EntityNotFound", "Fence", "IllegalTransition",
+    "Committed", "Create", "DuplicateEntity", "EntityKind", "EntityNotFound", "Fence", "IllegalTransition",
     "InvalidColumn", "InvalidPayload", "Journal", "JournalError", "JournalURL", "KindRegistry",
-    "LeaseLost", "Row", "SchemaMismatch", "StaleRow", "StateMachine", "UnknownEntityKind",
+    "LeaseLost", "Row", "SchemaMismatch", "StaleRow", "StateMachine", "Transition", "UnknownEntityKind",
     "UnknownState", "UnsupportedJournalURL", "WriteTx", "builtin_kinds", "utcnow",
 ]

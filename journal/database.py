@@ -22,6 +22,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
+from .batch import Op, Outcome, apply_groups
 from .errors import UnsupportedJournalURL
 from .registry import KindRegistry, builtin_kinds
 from .types import dumps, loads
@@ -205,6 +206,15 @@ class Journal:
             return
         async with self._sqlite_writer.lock:
             yield SqliteWriter(self._sqlite_writer)
+
+    async def apply(self, groups: Sequence[Sequence[Op]], fence: Fence | None = None) -> list[Outcome]:
+        """Apply groups of declarative operations in one transaction, each group all-or-nothing.
+
+        Returns one outcome per group: the committed writes (``None`` for a create
+        ``if_absent`` that found its row) or the exception that refused the group.
+        See :mod:`journal.batch`.
+        """
+        return await apply_groups(self, groups, fence)
 
     async def fetch(self, stmt: sa.Executable, params: dict[str, Any] | None = None) -> Buffered:
         """Run one small read (a point lookup) and return its rows.

@@ -17,7 +17,7 @@ usable.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from functools import lru_cache
 from dataclasses import dataclass
@@ -28,6 +28,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
 from . import models
+from .batch import Create, Op, Transition
 from .errors import DuplicateEntity, InvalidPayload, LeaseLost, StaleRow
 from .types import dumps
 from .writer import Buffered, Params, Writer
@@ -119,26 +120,11 @@ class WriteTx:
         ``if_absent`` an existing row is left alone and ``None`` is returned;
         otherwise it raises :class:`DuplicateEntity`.
         """
-        ek = self.journal.kinds.get(kind)
-        machine = ek.machine
-        if state is None:
-            if len(machine.initial) != 1:
-                raise ValueError(f"{kind}: name the initial state, one of {sorted(machine.initial)}")
-            (state,) = machine.initial
-        machine.check_initial(entity_id, state)
-        given = dict(values or {})
-        ek.check_columns(given)
-        full = ek.defaults()
-        full.update(given)
-        payload = self._payload(kind, full, note)
-        now = self.now
-        row = {**full, "id": entity_id, "state": state, "version": 1, "created_at": now, "updated_at": now}
-        result = await self._w.execute(_insert_stmt(ek.table, self.journal.backend), row)
-        if result.rowcount != 1:
-            if if_absent:
-                return None
-            raise DuplicateEntity(kind, entity_id)
-        return self._record(kind, entity_id, None, state, 1, reason, payload)
+        op = Create(kind, entity_id, reason, values or {}, state, note, if_absent)
+        prep = self.prepare(op)
+        if not await self.execute_prepared(op, prep):
+            return None
+        return self.record_prepared(op, prep)
 
     async def transition(self, kind: str, entity_id: str, *, from_state: str, version: int,
                          to_state: str, reason: str, changes: Mapping[str, Any] | None = None,
@@ -149,22 +135,81 @@ class WriteTx:
         :class:`StaleRow` when the row is no longer at ``from_state``/``version``;
         in both cases nothing is written.
         """
-        ek = self.journal.kinds.get(kind)
-        ek.machine.check(entity_id, from_state, to_state)
-        changes = dict(changes or {})
+        op = Transition(kind, entity_id, from_state, version, to_state, reason, changes or {}, note)
+        prep = self.prepare(op)
+        await self.execute_prepared(op, prep)
+        return self.record_prepared(op, prep)
+
+    async def apply(self, ops: Sequence[Op]) -> list[Committed | None]:
+        """Apply declarative operations in order (one at a time; see :mod:`journal.batch`)."""
+        out: list[Committed | None] = []
+        for op in ops:
+            if isinstance(op, Create):
+                out.append(await self.create(op.kind, op.entity_id, reason=op.reason, state=op.state,
+                                             values=op.values, note=op.note, if_absent=op.if_absent))
+            else:
+                out.append(await self.transition(op.kind, op.entity_id, from_state=op.from_state,
+                                                 version=op.version, to_state=op.to_state, reason=op.reason,
+                                                 changes=op.changes, note=op.note))
+        return out
+
+    # -- the three halves of an operation (shared with journal.batch) -----------------------
+    def prepare(self, op: Op) -> dict[str, Any]:
+        """Check ``op`` against its machine and table; build its parameters and event payload.
+
+        Raises before anything is written: :class:`IllegalTransition`,
+        :class:`UnknownState`, :class:`InvalidColumn`, :class:`InvalidPayload`.
+        """
+        ek = self.journal.kinds.get(op.kind)
+        if isinstance(op, Create):
+            state = op.state
+            if state is None:
+                if len(ek.machine.initial) != 1:
+                    raise ValueError(f"{op.kind}: name the initial state, one of {sorted(ek.machine.initial)}")
+                (state,) = ek.machine.initial
+            ek.machine.check_initial(op.entity_id, state)
+            given = dict(op.values)
+            ek.check_columns(given)
+            full = ek.defaults()
+            full.update(given)
+            now = self.now
+            row = {**full, "id": op.entity_id, "state": state, "version": 1, "created_at": now, "updated_at": now}
+            return {"row": row, "state": state, "payload": self._payload(op.kind, full, op.note)}
+        ek.machine.check(op.entity_id, op.from_state, op.to_state)
+        changes = dict(op.changes)
         ek.check_columns(changes)
-        payload = self._payload(kind, changes, note)
-        t = ek.table
-        params = {**changes, "w_id": entity_id, "w_state": from_state, "w_version": version,
-                  "state": to_state, "version": version + 1, "updated_at": self.now}
-        result = await self._w.execute(_update_stmt(t, tuple(sorted(changes))), params)
+        params = {**changes, "w_id": op.entity_id, "w_state": op.from_state, "w_version": op.version,
+                  "state": op.to_state, "version": op.version + 1, "updated_at": self.now}
+        return {"params": params, "payload": self._payload(op.kind, changes, op.note)}
+
+    async def execute_prepared(self, op: Op, prep: dict[str, Any]) -> bool:
+        """Run one prepared operation; ``False`` only for a create ``if_absent`` that found a row."""
+        table = self.journal.kinds.get(op.kind).table
+        if isinstance(op, Create):
+            result = await self._w.execute(_insert_stmt(table, self.journal.backend), prep["row"])
+            if result.rowcount == 1:
+                return True
+            if op.if_absent:
+                return False
+            raise DuplicateEntity(op.kind, op.entity_id)
+        result = await self._w.execute(_update_stmt(table, tuple(sorted(op.changes))), prep["params"])
         if result.rowcount != 1:
-            found = (await self._w.execute(
-                sa.select(t.c.state, t.c.version).where(t.c.id == entity_id))).first()
-            raise StaleRow(kind, entity_id, from_state, version,
-                           None if found is None else found.state,
-                           None if found is None else found.version)
-        return self._record(kind, entity_id, from_state, to_state, version + 1, reason, payload)
+            raise await self.stale(op.kind, op.entity_id, op.from_state, op.version)
+        return True
+
+    def record_prepared(self, op: Op, prep: dict[str, Any]) -> Committed:
+        """Queue the event of an operation that was written."""
+        if isinstance(op, Create):
+            return self._record(op.kind, op.entity_id, None, prep["state"], 1, op.reason, prep["payload"])
+        return self._record(op.kind, op.entity_id, op.from_state, op.to_state, op.version + 1, op.reason,
+                            prep["payload"])
+
+    async def stale(self, kind: str, entity_id: str, from_state: str, version: int) -> StaleRow:
+        """The :class:`StaleRow` for a compare-and-set that matched nothing, with what is there now."""
+        t = self.journal.kinds.get(kind).table
+        found = (await self._w.execute(sa.select(t.c.state, t.c.version).where(t.c.id == entity_id))).first()
+        return StaleRow(kind, entity_id, from_state, version, None if found is None else found.state,
+                        None if found is None else found.version)
 
     async def get(self, kind: str, entity_id: str) -> Row | None:
         """Read one row inside this transaction."""
