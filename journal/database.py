@@ -186,13 +186,17 @@ class Journal:
         :class:`~journal.errors.LeaseLost` is raised and nothing is written.
         Commit listeners run after the commit.
         """
+        # SQLite checks the fence up front (statements are inline and cost no round trip);
+        # PostgreSQL folds it into the first write (see WriteTx.ensure_fence).
+        eager = fence is not None and self.backend == "sqlite"
         async with self._writer() as writer:
-            tx = WriteTx(self, writer, fence)
-            found = await writer.begin(None if fence is None else WriteTx.fence_statement(fence))
+            tx = WriteTx(self, writer, fence, fence_pending=fence is not None and not eager)
+            found = await writer.begin(WriteTx.fence_statement(fence) if eager and fence else None)
             try:
-                if fence is not None:
+                if eager:
                     tx.check_fence(found)
                 yield tx
+                await tx.settle()
             except BaseException:
                 await writer.rollback()
                 raise

@@ -133,7 +133,11 @@ class SqliteWriterThread:
     """The thread that owns the SQLite write connection, and the lock that serializes its users."""
 
     def __init__(self, url: sa.URL, busy_timeout_ms: int) -> None:
-        self.engine = sqlite_sync_engine(url, busy_timeout_ms)
+        # The writer never sleeps inside SQLite waiting for the lock (that would stall
+        # the event loop): SQLITE_BUSY comes back at once and SqliteWriter.begin waits
+        # asynchronously, up to busy_timeout_ms.
+        self.engine = sqlite_sync_engine(url, 0)
+        self.busy_timeout_s = busy_timeout_ms / 1000
         self._pool: ThreadPoolExecutor | None = None
         self._conn: sa.Connection | None = None
         self._reader_engine = sqlite_sync_engine(url, busy_timeout_ms, begin=None)
@@ -183,17 +187,31 @@ class SqliteWriter(Writer):
         self._tx: sa.Transaction | None = None
 
     async def begin(self, first: sa.Executable | None) -> Buffered | None:
-        def go() -> Buffered | None:
-            conn = self._t.conn()
-            self._tx = conn.begin()
+        conn = self._t.conn()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._t.busy_timeout_s
+        delay = 0.001
+        while True:
             try:
-                return None if first is None else Buffered.of(conn.execute(first))
-            except BaseException:
-                self._tx.rollback()
-                self._tx = None
-                raise
-
-        return await self._t.run(go)
+                # Inline: BEGIN IMMEDIATE either takes the file lock at once or reports
+                # SQLITE_BUSY at once (busy timeout 0); waiting happens here, off SQLite.
+                self._tx = conn.begin()
+                break
+            except sa.exc.OperationalError as exc:
+                if conn.in_transaction():
+                    conn.rollback()
+                if "locked" not in str(exc) and "busy" not in str(exc):
+                    raise
+                if loop.time() + delay > deadline:
+                    raise
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.05)
+        try:
+            return None if first is None else Buffered.of(conn.execute(first))
+        except BaseException:
+            self._tx.rollback()
+            self._tx = None
+            raise
 
     async def execute(self, stmt: sa.Executable, params: Params = None) -> Buffered:
         # Inline on purpose: the write lock is held, so this cannot wait on another writer.

@@ -69,9 +69,13 @@ class Row:
 class WriteTx:
     """One open write transaction. Use only inside ``async with journal.write()``."""
 
-    def __init__(self, journal: Journal, writer: Writer, fence: Fence | None) -> None:
+    def __init__(self, journal: Journal, writer: Writer, fence: Fence | None, *,
+                 fence_pending: bool = False) -> None:
         self.journal = journal
         self.fence = fence
+        # PostgreSQL checks the fence lazily: folded into the first compare-and-set (one
+        # round trip fewer), or as its own statement before anything else is written.
+        self._fence_pending = fence_pending
         self.now = journal.clock()
         self.committed: list[Committed] = []
         self._w = writer
@@ -82,7 +86,21 @@ class WriteTx:
 
         Entity rows change only through :meth:`create` and :meth:`transition`.
         """
+        await self.ensure_fence()
         return await self._w.execute(stmt, params)
+
+    async def ensure_fence(self) -> None:
+        """Check the fence now if it has not been checked yet (raises :class:`LeaseLost`)."""
+        if self._fence_pending:
+            assert self.fence is not None
+            found = await self._w.execute(self.fence_statement(self.fence))
+            self._fence_pending = False
+            self.check_fence(found)
+
+    async def settle(self) -> None:
+        """Before the commit: a transaction that queued events must have checked its fence."""
+        if self._events:
+            await self.ensure_fence()
 
     # -- fencing ---------------------------------------------------------------------------
     @staticmethod
@@ -186,13 +204,26 @@ class WriteTx:
         """Run one prepared operation; ``False`` only for a create ``if_absent`` that found a row."""
         table = self.journal.kinds.get(op.kind).table
         if isinstance(op, Create):
+            await self.ensure_fence()
             result = await self._w.execute(_insert_stmt(table, self.journal.backend), prep["row"])
             if result.rowcount == 1:
                 return True
             if op.if_absent:
                 return False
             raise DuplicateEntity(op.kind, op.entity_id)
-        result = await self._w.execute(_update_stmt(table, tuple(sorted(op.changes))), prep["params"])
+        columns = tuple(sorted(op.changes))
+        if self._fence_pending:
+            assert self.fence is not None
+            f = self.fence
+            params = {**prep["params"], "f_name": f.lease, "f_holder": f.holder, "f_epoch": f.epoch,
+                      "f_now": self.now}
+            result = await self._w.execute(_fenced_update_stmt(table, columns), params)
+            if result.rowcount == 1:
+                self._fence_pending = False  # the row lock and the lease share lock are held
+                return True
+            await self.ensure_fence()  # LeaseLost if that is why nothing matched
+        else:
+            result = await self._w.execute(_update_stmt(table, columns), prep["params"])
         if result.rowcount != 1:
             raise await self.stale(op.kind, op.entity_id, op.from_state, op.version)
         return True
@@ -292,6 +323,19 @@ def _update_stmt(table: sa.Table, columns: tuple[str, ...]) -> sa.Update:
                    c.state == sa.bindparam("w_state", type_=c.state.type),
                    c.version == sa.bindparam("w_version", type_=c.version.type))
             .values({name: sa.bindparam(name, type_=c[name].type) for name in setting}))
+
+
+@lru_cache(maxsize=256)
+def _fenced_update_stmt(table: sa.Table, columns: tuple[str, ...]) -> sa.Update:
+    """The compare-and-set UPDATE that also requires the lease (PostgreSQL: FOR SHARE on it)."""
+    lease = models.leases
+    holds = (sa.select(sa.literal(1)).select_from(lease)
+             .where(lease.c.name == sa.bindparam("f_name", type_=lease.c.name.type),
+                    lease.c.holder == sa.bindparam("f_holder", type_=lease.c.holder.type),
+                    lease.c.epoch == sa.bindparam("f_epoch", type_=lease.c.epoch.type),
+                    lease.c.expires_at > sa.bindparam("f_now", type_=lease.c.expires_at.type))
+             .with_for_update(read=True))
+    return _update_stmt(table, columns).where(holds.exists())
 
 
 @lru_cache(maxsize=64)

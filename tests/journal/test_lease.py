@@ -166,21 +166,41 @@ async def test_concurrent_first_acquire_has_exactly_one_winner(make_journal: Cal
 @only_postgresql
 async def test_take_over_waits_for_a_fenced_write_already_under_way(
         orchestrators: tuple[Journal, Journal], clock: FakeClock) -> None:
-    """PostgreSQL: the fence check's share lock makes a take-over wait for the old epoch's write,
-    so no write of epoch 1 can land after epoch 2 began."""
+    """PostgreSQL: the fence check's share lock (taken with the first write) makes a take-over
+    wait for the old epoch's transaction, so no write of epoch 1 can land after epoch 2 began."""
     a, b = orchestrators
     held = await lease.acquire(a, "leader", "orch-a", TTL)
     assert held is not None
-    async with a.write(held.fence()) as tx:  # fence checked: epoch 1 may write
+    async with a.write(held.fence()) as tx:
+        await tx.create(P, "p1", reason="old epoch, in flight", values={"url": "u"})  # fence checked here
         clock.advance(TTL + 1)
         takeover = asyncio.create_task(lease.acquire(b, "leader", "orch-b", TTL))
         await _wait_until_blocked_on_a_lock(b)
         assert not takeover.done()
-        await tx.create(P, "p1", reason="old epoch, in flight", values={"url": "u"})
     taken = await asyncio.wait_for(takeover, 30)
     assert taken is not None and taken.epoch == 2
     order = [(e["entity_kind"], e["reason"]) for e in await events(b)]
     assert order == [("leases", "acquired"), (P, "old epoch, in flight"), ("leases", "taken over after lapse")]
+
+
+@only_postgresql
+async def test_a_write_after_the_take_over_is_refused(
+        orchestrators: tuple[Journal, Journal], clock: FakeClock) -> None:
+    """A fenced transaction that had not written yet when the lease was taken over writes nothing."""
+    a, b = orchestrators
+    held = await lease.acquire(a, "leader", "orch-a", TTL)
+    assert held is not None
+    async with a.write() as tx:
+        await tx.create(P, "p1", reason="configured", values={"url": "u"})
+    before = await events(b)
+    with pytest.raises(LeaseLost):
+        async with a.write(held.fence()) as tx:
+            clock.advance(TTL + 1)
+            taken = await lease.acquire(b, "leader", "orch-b", TTL)
+            assert taken is not None and taken.epoch == 2
+            await tx.transition(P, "p1", from_state="pending", version=1, to_state="healthy", reason="late")
+    after = await events(b)
+    assert [e["reason"] for e in after[len(before):]] == ["taken over after lapse"]
 
 
 async def _wait_until_blocked_on_a_lock(journal: Journal) -> None:
