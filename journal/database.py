@@ -22,6 +22,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
+from . import batch_pg
 from .batch import Op, Outcome, apply_groups
 from .errors import UnsupportedJournalURL
 from .registry import KindRegistry, builtin_kinds
@@ -218,6 +219,9 @@ class Journal:
         ``if_absent`` that found its row) or the exception that refused the group.
         See :mod:`journal.batch`.
         """
+        shape = batch_pg.eligible(self, groups)
+        if shape is not None:
+            return await batch_pg.apply_one_statement(self, groups, fence, shape)
         return await apply_groups(self, groups, fence)
 
     async def fetch(self, stmt: sa.Executable, params: dict[str, Any] | None = None) -> Buffered:

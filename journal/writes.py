@@ -69,7 +69,7 @@ class Row:
 class WriteTx:
     """One open write transaction. Use only inside ``async with journal.write()``."""
 
-    def __init__(self, journal: Journal, writer: Writer, fence: Fence | None, *,
+    def __init__(self, journal: Journal, writer: Writer | None, fence: Fence | None, *,
                  fence_pending: bool = False) -> None:
         self.journal = journal
         self.fence = fence
@@ -78,8 +78,14 @@ class WriteTx:
         self._fence_pending = fence_pending
         self.now = journal.clock()
         self.committed: list[Committed] = []
-        self._w = writer
+        self._writer = writer
         self._events: list[dict[str, Any]] = []
+
+    @property
+    def _w(self) -> Writer:
+        # A WriteTx without a writer only plans operations (journal.batch_pg).
+        assert self._writer is not None, "this WriteTx only plans operations"
+        return self._writer
 
     async def execute(self, stmt: sa.Executable, params: Params = None) -> Buffered:
         """Run a statement in this transaction (for non-entity tables such as ``leases``).

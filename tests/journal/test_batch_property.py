@@ -118,12 +118,13 @@ def draw_op(data: st.DataObject, spec: dict[str, tuple[str, int]], prefix: str) 
         values["bogus"] = 1
     elif flaw == "nan":
         values["ratio"] = math.nan
-    if eid not in spec or data.draw(st.integers(0, 5), label="create?") == 0:
+    if eid not in spec or data.draw(st.integers(0, 5), label="create?") == 5:
         spec.setdefault(eid, ("new", 1))
         return C(eid, if_absent=data.draw(st.booleans(), label="if_absent"), **values)
     state, version = spec[eid]
     allowed = sorted(GAUGES.allowed(state))
-    to = data.draw(st.sampled_from(allowed if allowed and data.draw(st.integers(0, 5)) else STATES), label="to")
+    legal = data.draw(st.integers(0, 7), label="illegal?") < 7
+    to = data.draw(st.sampled_from(allowed if allowed and legal else STATES), label="to")
     aim = data.draw(st.sampled_from(["exact"] * 5 + ["old", "future", "state"]), label="aim")
     if aim == "old":
         version -= 1

@@ -1,0 +1,51 @@
+"""The docs stay true: diagrams match the machines, the example config matches the settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel
+
+from engine.config import Settings, load
+from journal import builtin_kinds
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_architecture_shows_every_builtin_machine() -> None:
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    for kind in builtin_kinds():
+        assert f"```mermaid\n{kind.machine.mermaid()}\n```" in text, f"diagram of {kind.name} is out of date"
+
+
+def _keys(model: type[BaseModel], prefix: str = "") -> set[str]:
+    out = set()
+    for name, field in model.model_fields.items():
+        out.add(prefix + name)
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            out |= _keys(ann, f"{prefix}{name}.")
+    return out
+
+
+def _flatten(data: dict[str, object], prefix: str = "") -> set[str]:
+    out = set()
+    for key, value in data.items():
+        out.add(prefix + key)
+        if isinstance(value, dict):
+            out |= _flatten(value, f"{prefix}{key}.")
+    return out
+
+
+def test_example_config_is_valid_and_documents_every_key() -> None:
+    path = ROOT / "config.example.yaml"
+    settings = load(path)
+    assert settings == Settings()  # the example shows the defaults
+    documented = _flatten(yaml.safe_load(path.read_text()))
+    assert _keys(Settings) == documented
+
+
+def test_readme_gives_the_two_commands() -> None:
+    text = (ROOT / "README.md").read_text()
+    assert "make run" in text and "make test" in text
