@@ -138,3 +138,28 @@ async def count_events(orch: Orchestrator) -> int:
 
     async with orch.journal.read() as conn:
         return int((await conn.execute(sa.select(sa.func.count()).select_from(models.events))).scalar_one())
+
+
+async def test_a_standby_refuses_mutations_and_names_the_leader(
+        api: tuple[str, Orchestrator, StatusServer], journal_url: str) -> None:
+    _, leader, participant = api
+    settings = Settings.model_validate({
+        "journal": {"url": journal_url}, "control": {"token": TOKEN},
+        "orchestrator": {"id": "standby-1", "lease_ttl_s": 5, "lease_renew_s": 1, "shutdown_grace_s": 1},
+        "participants": [{"name": "res-0", "url": participant.url}], "logging": {"level": "WARNING"}})
+    standby = Orchestrator(settings)
+    runner = web.AppRunner(make_app(standby), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    await standby.start()
+    host, port = runner.addresses[0][:2]
+    try:
+        status, body = await get(f"http://{host}:{port}/v1/status")
+        assert body["role"] == "standby" and body["lease"]["holder"] == leader.holder
+        status, body = await post(f"http://{host}:{port}/v1/participants/probe",
+                                  headers={"Authorization": f"Bearer {TOKEN}"})
+        assert status == 503 and body["error"]["code"] == "not_leader"
+        assert leader.holder in body["error"]["detail"]
+    finally:
+        await runner.cleanup()
+        await standby.stop()

@@ -147,6 +147,11 @@ async def test_stopped_leader_is_fenced(journal_url: str, tmp_path: Path) -> Non
         await server.stop()
     # Graceful SIGTERM: both exit 0.
     assert [p.returncode for p in procs] == [0, 0]
+    # The control token never reaches a log line.
+    for cfg in (cfg_a, cfg_b):
+        log_text = cfg.with_suffix(".log").read_text()
+        assert '"msg": "serving"' in log_text
+        assert "fencing-test-token" not in log_text
 
 
 async def _true(value: bool) -> bool:
