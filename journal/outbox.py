@@ -149,9 +149,6 @@ async def next_due(tx_or_conn: Any) -> datetime | None:
     t = models.rpc_calls
     value: datetime | None = (await tx_or_conn.execute(
         sa.select(sa.func.min(t.c.next_attempt_at)).where(t.c.state == "pending"))).scalar()
-    if value is not None and value.tzinfo is None:
-        from datetime import timezone
-        value = value.replace(tzinfo=timezone.utc)
     return value
 
 

@@ -25,7 +25,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from journal import WriteTx
+import sqlalchemy as sa
+
+from journal import Transition, WriteTx, models
 from journal.writes import Row
 from workers.protocol import KINDS, STATUS_PATH, StatusReply
 
@@ -130,12 +132,8 @@ class DiscoveryController:
         if changes is None:
             return Result(requeue_after=self.next_probe_in(row))
 
-        async def record(tx: WriteTx) -> None:
-            await tx.transition(KIND, entity_id, from_state=row.state, version=row.version,
-                                to_state=outcome.state, reason=outcome.reason,
-                                changes={**changes, "last_probe_at": tx.now})
-
-        await ctx.write(record)
+        await ctx.apply(Transition(KIND, entity_id, row.state, row.version, outcome.state, outcome.reason,
+                                   {**changes, "last_probe_at": ctx.clock.now()}))
         if outcome.state != "healthy" and row.state != outcome.state:
             log.warning("participant %s is %s: %s", entity_id, outcome.state, outcome.values.get("detail"))
         return Result()  # the commit wakes this key; the next look computes the delay
@@ -162,9 +160,6 @@ async def sync_configured(tx: WriteTx, configured: Mapping[str, str]) -> list[st
     the configuration is probed again from ``pending``; names no longer
     configured become ``removed`` (their history stays).
     """
-    from journal import models
-    import sqlalchemy as sa
-
     t = models.participants
     rows = {r.id: r for r in (await tx.execute(sa.select(t.c.id, t.c.state, t.c.version, t.c.url))).all()}
     touched: list[str] = []

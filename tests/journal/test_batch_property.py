@@ -50,7 +50,7 @@ TIMES = st.datetimes(min_value=datetime(1971, 1, 2), max_value=datetime(2200, 1,
 VALUES = st.fixed_dictionaries({}, optional={
     "label": st.none() | TEXT, "hits": st.integers(-(2**31), 2**31 - 1),
     "ratio": st.floats(allow_nan=False, allow_infinity=False), "big": st.integers(-(2**63), 2**63 - 1),
-    "data": JSON, "seen_at": TIMES,
+    "data": JSON.filter(lambda v: v is not None), "seen_at": TIMES,
 })
 STATES = sorted(GAUGES.states)
 CONFLICT = (StaleRow, DuplicateEntity)
@@ -113,7 +113,7 @@ def draw_op(data: st.DataObject, spec: dict[str, tuple[str, int]], prefix: str) 
     """An operation aimed at ``spec`` (where the entities will be if every earlier draw succeeds)."""
     eid = prefix + data.draw(st.sampled_from("abcd"), label="entity")
     values = dict(data.draw(VALUES, label="values"))
-    flaw = data.draw(st.sampled_from([None] * 8 + ["column", "nan"]), label="flaw")
+    flaw = data.draw(st.sampled_from([None] * 18 + ["column", "nan"]), label="flaw")
     if flaw == "column":
         values["bogus"] = 1
     elif flaw == "nan":
@@ -123,9 +123,9 @@ def draw_op(data: st.DataObject, spec: dict[str, tuple[str, int]], prefix: str) 
         return C(eid, if_absent=data.draw(st.booleans(), label="if_absent"), **values)
     state, version = spec[eid]
     allowed = sorted(GAUGES.allowed(state))
-    legal = data.draw(st.integers(0, 7), label="illegal?") < 7
+    legal = data.draw(st.integers(0, 11), label="illegal?") < 11
     to = data.draw(st.sampled_from(allowed if allowed and legal else STATES), label="to")
-    aim = data.draw(st.sampled_from(["exact"] * 5 + ["old", "future", "state"]), label="aim")
+    aim = data.draw(st.sampled_from(["exact"] * 9 + ["old", "future", "state"]), label="aim")
     if aim == "old":
         version -= 1
     elif aim == "future":

@@ -56,3 +56,9 @@ def T(entity_id: str, from_state: str, version: int, to_state: str,  # noqa: N80
       note: dict[str, Any] | None = None, **changes: Any) -> Transition:
     """Move a gauge ``from_state``/``version`` to ``to_state``."""
     return Transition(G, entity_id, from_state, version, to_state, "moved", changes, note)
+
+
+async def seed(journal: Journal, *ids: str, **values: Any) -> None:
+    """Create each gauge and move it new -> on, so every one sits at ``on`` v2."""
+    outcomes = await journal.apply([[C(i, **values), T(i, "new", 1, "on")] for i in ids])
+    assert all(isinstance(o, list) for o in outcomes), outcomes
