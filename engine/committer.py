@@ -145,6 +145,8 @@ class GroupCommitter:
                         try:
                             async with tx.savepoint():
                                 outcomes.append((True, await sub.fn(tx)))
+                        except LeaseLost:
+                            raise  # the whole transaction is fenced off, not just this write
                         except Exception as exc:  # noqa: BLE001 - handed to its submitter
                             outcomes.append((False, exc))
         except BaseException as exc:

@@ -42,6 +42,12 @@ class EntityKind:
             if col not in self.table.c:
                 raise InvalidColumn(self.name, col, f"is not a column of {self.table.name}")
 
+    def check_not_null(self, values: dict[str, object]) -> None:
+        """Refuse ``None`` for a NOT NULL column before the database would (and fail a whole batch)."""
+        for col, value in values.items():
+            if value is None and not self.table.c[col].nullable:
+                raise InvalidColumn(self.name, col, "may not be NULL (it is NOT NULL and has no default)")
+
     def defaults(self) -> dict[str, object]:
         """The value each data column takes when a create does not name it."""
         out: dict[str, object] = {}

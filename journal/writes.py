@@ -76,6 +76,8 @@ class WriteTx:
         # PostgreSQL checks the fence lazily: folded into the first compare-and-set (one
         # round trip fewer), or as its own statement before anything else is written.
         self._fence_pending = fence_pending
+        # A failed fence check is final for the transaction: every later write raises it too.
+        self._fence_error: LeaseLost | None = None
         self.now = journal.clock()
         self.committed: list[Committed] = []
         self._writer = writer
@@ -97,11 +99,17 @@ class WriteTx:
 
     async def ensure_fence(self) -> None:
         """Check the fence now if it has not been checked yet (raises :class:`LeaseLost`)."""
+        if self._fence_error is not None:
+            raise self._fence_error
         if self._fence_pending:
             assert self.fence is not None
             found = await self._w.execute(self.fence_statement(self.fence))
+            try:
+                self.check_fence(found)
+            except LeaseLost as exc:
+                self._fence_error = exc
+                raise
             self._fence_pending = False
-            self.check_fence(found)
 
     async def settle(self) -> None:
         """Before the commit: a transaction that queued events must have checked its fence."""
@@ -196,12 +204,14 @@ class WriteTx:
             ek.check_columns(given)
             full = ek.defaults()
             full.update(given)
+            ek.check_not_null(full)
             now = self.now
             row = {**full, "id": op.entity_id, "state": state, "version": 1, "created_at": now, "updated_at": now}
             return {"row": row, "state": state, "payload": self._payload(op.kind, full, op.note)}
         ek.machine.check(op.entity_id, op.from_state, op.to_state)
         changes = dict(op.changes)
         ek.check_columns(changes)
+        ek.check_not_null(changes)
         params = {**changes, "w_id": op.entity_id, "w_state": op.from_state, "w_version": op.version,
                   "state": op.to_state, "version": op.version + 1, "updated_at": self.now}
         return {"params": params, "payload": self._payload(op.kind, changes, op.note)}
@@ -269,6 +279,7 @@ class WriteTx:
     async def savepoint(self) -> AsyncIterator[None]:
         """Make a group of operations all-or-nothing inside a shared transaction."""
         n_events, n_committed = len(self._events), len(self.committed)
+        fence_pending = self._fence_pending
         sp = await self._w.savepoint()
         try:
             yield
@@ -276,6 +287,8 @@ class WriteTx:
             await self._w.rollback_to(sp)
             del self._events[n_events:]
             del self.committed[n_committed:]
+            # A fence checked inside the savepoint lost its lease row lock with it.
+            self._fence_pending = fence_pending
             raise
         await self._w.release(sp)
 

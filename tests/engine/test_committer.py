@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 from engine.clock import VirtualClock
 from engine.committer import GroupCommitter, NotLeader
@@ -27,6 +28,7 @@ from journal import (
     audit,
     lease,
 )
+from tests.support.backends import only_postgresql
 from tests.support.gauges import G, C, T, open_gauge_journal
 from tests.support.journal_state import FakeClock, events, row, snapshot
 
@@ -181,26 +183,83 @@ async def test_without_a_fence_every_submission_gets_not_leader(gj: Journal, lea
     assert await snapshot(gj) == before
 
 
-async def test_after_a_take_over_every_submission_gets_lease_lost(
-        gj: Journal, leader: Leader, committer: GroupCommitter, make_journal: Callable[..., Journal],
-        clock: FakeClock) -> None:
+@pytest.fixture
+async def taken_over(gj: Journal, committer: GroupCommitter, make_journal: Callable[..., Journal],
+                     clock: FakeClock) -> Journal:
+    """After one fenced commit of orch-a, orch-b takes the lapsed lease over (epoch 2)."""
     other = await open_gauge_journal(make_journal, clock=clock, actor="orch-b")
     assert await committer.apply(T("s00", "new", 1, "on")) == [Committed(G, "s00", "new", "on", 2)]
     clock.advance(TTL + 1)
     taken = await lease.acquire(other, "leader", "orch-b", TTL)
     assert taken is not None and taken.epoch == 2
-    before = await snapshot(gj)
-    results = await asyncio.gather(committer.apply(T("s01", "new", 1, "on")), committer.apply(C("n1")),
-                                   committer.run(move("s02")), committer.run(move("s03")),
-                                   return_exceptions=True)
-    print("RESULTS", [repr(r)[:60] for r in results], committer.commits, leader.lost)
-    print("S03", await state_of(gj, "s03"), [ (e["entity_id"], e["actor"], e["epoch"]) for e in await events(gj, G)][-3:])
+    return other
+
+
+def assert_all_lease_lost(results: list[Any]) -> None:
     assert all(isinstance(r, LeaseLost) for r in results), results
     assert all((r.epoch, r.current_holder, r.current_epoch) == (1, "orch-b", 2)
                for r in results if isinstance(r, LeaseLost))
+
+
+async def test_after_a_take_over_every_submission_gets_lease_lost(
+        gj: Journal, leader: Leader, committer: GroupCommitter, taken_over: Journal) -> None:
+    before = await snapshot(gj)
+    results = await asyncio.gather(committer.apply(T("s01", "new", 1, "on")), committer.apply(C("n1")),
+                                   committer.run(move("s02")), return_exceptions=True)
+    assert_all_lease_lost(list(results))
     assert leader.lost and all(isinstance(e, LeaseLost) for e in leader.lost)
     assert committer.commits == 1
     assert await snapshot(gj) == before
+
+
+async def test_after_a_take_over_no_run_of_a_shared_transaction_commits(
+        gj: Journal, leader: Leader, committer: GroupCommitter, taken_over: Journal, backend: str,
+        request: pytest.FixtureRequest) -> None:
+    before = await snapshot(gj)
+    results = await asyncio.gather(committer.run(move("s02")), committer.run(move("s03")),
+                                   committer.run(move("s04")), return_exceptions=True)
+    assert_all_lease_lost(list(results))
+    assert leader.lost
+    assert committer.commits == 1
+    assert await snapshot(gj) == before
+
+
+@only_postgresql
+async def test_a_fenced_run_holds_the_lease_share_locked_until_its_commit(
+        gj: Journal, committer: GroupCommitter, make_journal: Callable[..., Journal]) -> None:
+    probe = make_journal()
+    results = await asyncio.gather(committer.run(move_and_probe("s01", probe)),
+                                   committer.run(move_and_probe("s02", probe)))
+    assert list(results) == ["locked", "locked"]
+
+
+@only_postgresql
+async def test_a_rolled_back_run_leaves_the_lease_share_locked(
+        gj: Journal, committer: GroupCommitter, make_journal: Callable[..., Journal]) -> None:
+    probe = make_journal()
+
+    async def fails(tx: WriteTx) -> None:
+        await tx.transition(G, "s01", from_state="new", version=1, to_state="on", reason="run")
+        raise RuntimeError("after writing")
+
+    results = await asyncio.gather(committer.run(fails), committer.run(move_and_probe("s02", probe)),
+                                   return_exceptions=True)
+    assert isinstance(results[0], RuntimeError)
+    assert results[1] == "locked"
+
+
+def move_and_probe(entity_id: str, probe: Journal) -> Callable[[WriteTx], Any]:
+    """A run that moves ``entity_id``, then asks another connection whether the lease row is locked."""
+    async def fn(tx: WriteTx) -> str:
+        await tx.transition(G, entity_id, from_state="new", version=1, to_state="on", reason="run")
+        try:
+            async with probe.engine.begin() as conn:
+                await conn.execute(sa.text("SELECT 1 FROM leases WHERE name = 'leader' FOR UPDATE NOWAIT"))
+        except sa.exc.DBAPIError as exc:
+            assert "could not obtain lock" in str(exc), exc
+            return "locked"
+        return "free"
+    return fn
 
 
 async def test_context_apply_and_get_go_through_the_committer_and_the_group_reader(
