@@ -115,15 +115,7 @@ class GroupCommitter:
             if not isinstance(exc, Exception):
                 raise
             return
-        self.commits += 1
-        self.writes += len(batch)
-        for sub, outcome in zip(batch, outcomes):
-            if sub.future.done():
-                continue
-            if isinstance(outcome, Exception):
-                sub.future.set_exception(outcome)
-            else:
-                sub.future.set_result(outcome)
+        self._settle(batch, [(not isinstance(o, Exception), o) for o in outcomes])
 
     def _fail(self, batch: list[_Submission], exc: BaseException) -> None:
         if isinstance(exc, LeaseLost) and self._on_lease_lost is not None:
@@ -154,6 +146,10 @@ class GroupCommitter:
             if not isinstance(exc, Exception):
                 raise
             return
+        self._settle(batch, outcomes)
+
+    def _settle(self, batch: list[_Submission], outcomes: list[tuple[bool, Any]]) -> None:
+        """After a commit: hand each submitter its result, or the exception that refused it."""
         self.commits += 1
         self.writes += len(batch)
         for sub, (ok, value) in zip(batch, outcomes):

@@ -27,7 +27,7 @@ from .batch import Op, Outcome, apply_groups
 from .errors import UnsupportedJournalURL
 from .registry import KindRegistry, builtin_kinds
 from .types import dumps, loads
-from .writer import AsyncWriter, Buffered, SqliteWriter, SqliteWriterThread, Writer
+from .writer import AsyncWriter, Buffered, SqliteWriter, SqliteWriterThread, Writer, sqlite_pragmas
 
 Backend = Literal["sqlite", "postgresql"]
 Clock = Callable[[], datetime]
@@ -101,14 +101,7 @@ CommitListener = Callable[[Sequence[Committed]], None]
 def _install_sqlite_pragmas(engine: AsyncEngine, busy_timeout_ms: int) -> None:
     @event.listens_for(engine.sync_engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
-        # Let SQLAlchemy's "begin" event decide how a transaction starts.
-        dbapi_connection.isolation_level = None
-        cur = dbapi_connection.cursor()
-        cur.execute("PRAGMA journal_mode=WAL")
-        cur.execute("PRAGMA synchronous=FULL")
-        cur.execute("PRAGMA foreign_keys=ON")
-        cur.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
-        cur.close()
+        sqlite_pragmas(dbapi_connection, busy_timeout_ms)
 
     @event.listens_for(engine.sync_engine, "begin")
     def _on_begin(conn: sa.Connection) -> None:

@@ -96,6 +96,20 @@ class Writer(ABC):
 
 # -- SQLite -----------------------------------------------------------------------------------
 
+def sqlite_pragmas(dbapi_connection: Any, busy_timeout_ms: int) -> None:
+    """The journal's durability settings, applied to every SQLite connection it opens.
+
+    ``isolation_level = None`` hands transaction control to SQLAlchemy's "begin" event.
+    """
+    dbapi_connection.isolation_level = None
+    cur = dbapi_connection.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA synchronous=FULL")
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
+    cur.close()
+
+
 def sqlite_sync_engine(url: sa.URL, busy_timeout_ms: int, begin: str | None = "IMMEDIATE") -> sa.Engine:
     """An engine with one connection: WAL, FULL, foreign keys, busy timeout; ``BEGIN <begin>``.
 
@@ -111,13 +125,7 @@ def sqlite_sync_engine(url: sa.URL, busy_timeout_ms: int, begin: str | None = "I
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
-        dbapi_connection.isolation_level = None
-        cur = dbapi_connection.cursor()
-        cur.execute("PRAGMA journal_mode=WAL")
-        cur.execute("PRAGMA synchronous=FULL")
-        cur.execute("PRAGMA foreign_keys=ON")
-        cur.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
-        cur.close()
+        sqlite_pragmas(dbapi_connection, busy_timeout_ms)
 
     if begin is not None:
         @event.listens_for(engine, "begin")

@@ -7,10 +7,11 @@ operations are the only code in Tidelog that writes ``state``:
 - :meth:`WriteTx.transition` is a compare-and-set on ``state`` and ``version``
   (``UPDATE … WHERE id=:id AND state=:from AND version=:v``).
 
-Each queues one ``events`` row that records the edge, the columns it set, the
-reason and the actor (orchestrator id and fencing epoch). The events are
-inserted before the commit, so a row change and its event are written together
-or not at all. An operation that raises (illegal edge, stale row, unknown
+Each writes one ``events`` row that records the edge, the columns it set, the
+reason and the actor (orchestrator id and fencing epoch), in the same
+transaction as the row change, so both are written or neither: on PostgreSQL
+in the same statement (a data-modifying CTE), on SQLite queued and inserted
+just before the commit. An operation that raises (illegal edge, stale row, unknown
 column, bad JSON) has written nothing, and the rest of the transaction is still
 usable.
 """
@@ -221,13 +222,23 @@ class WriteTx:
         table = self.journal.kinds.get(op.kind).table
         if isinstance(op, Create):
             await self.ensure_fence()
-            result = await self._w.execute(_insert_stmt(table, self.journal.backend), prep["row"])
-            if result.rowcount == 1:
-                return True
+            if self.journal.backend == "postgresql":
+                # The row and its event in one statement, like transitions (see below).
+                event = self._event_row(op.kind, op.entity_id, None, prep["state"], 1, op.reason, prep["payload"])
+                params = {**prep["row"], **{f"e_{k}": v for k, v in event.items()}}
+                if (await self._w.execute(_create_with_event_stmt(table), params)).all():
+                    prep["event_written"] = True
+                    return True
+            else:
+                result = await self._w.execute(_insert_stmt(table, self.journal.backend), prep["row"])
+                if result.rowcount == 1:
+                    return True
             if op.if_absent:
                 return False
             raise DuplicateEntity(op.kind, op.entity_id)
         columns = tuple(sorted(op.changes))
+        if self.journal.backend == "postgresql":
+            return await self._transition_with_event(op, prep, table, columns)
         if self._fence_pending:
             assert self.fence is not None
             f = self.fence
@@ -244,8 +255,40 @@ class WriteTx:
             raise await self.stale(op.kind, op.entity_id, op.from_state, op.version)
         return True
 
+    async def _transition_with_event(self, op: Transition, prep: dict[str, Any], table: sa.Table,
+                                     columns: tuple[str, ...]) -> bool:
+        """PostgreSQL: the compare-and-set and its event in one statement (a data-modifying CTE).
+
+        With the fence still unchecked, the lease condition (and its share lock) rides
+        along too, so a fenced transition is one round trip inside its transaction.
+        """
+        fenced = self._fence_pending
+        event = self._event_row(op.kind, op.entity_id, op.from_state, op.to_state, op.version + 1, op.reason,
+                                prep["payload"])
+        params = {**prep["params"], **{f"e_{k}": v for k, v in event.items()}}
+        if fenced:
+            assert self.fence is not None
+            params.update({"f_name": self.fence.lease, "f_holder": self.fence.holder, "f_epoch": self.fence.epoch,
+                           "f_now": self.now})
+        result = await self._w.execute(_update_with_event_stmt(table, columns, fenced), params)
+        if result.all():
+            self._fence_pending = False  # the row lock (and the lease share lock) are held
+            prep["event_written"] = True
+            return True
+        if fenced:
+            await self.ensure_fence()  # LeaseLost if that is why nothing matched
+        raise await self.stale(op.kind, op.entity_id, op.from_state, op.version)
+
     def record_prepared(self, op: Op, prep: dict[str, Any]) -> Committed:
-        """Queue the event of an operation that was written."""
+        """Queue the event of an operation that was written (unless its statement wrote it)."""
+        if prep.get("event_written"):
+            from .database import Committed
+
+            done = Committed(op.kind, op.entity_id, None if isinstance(op, Create) else op.from_state,
+                             prep["state"] if isinstance(op, Create) else op.to_state,
+                             1 if isinstance(op, Create) else op.version + 1)
+            self.committed.append(done)
+            return done
         if isinstance(op, Create):
             return self._record(op.kind, op.entity_id, None, prep["state"], 1, op.reason, prep["payload"])
         return self._record(op.kind, op.entity_id, op.from_state, op.to_state, op.version + 1, op.reason,
@@ -355,6 +398,35 @@ def _fenced_update_stmt(table: sa.Table, columns: tuple[str, ...]) -> sa.Update:
                     lease.c.expires_at > sa.bindparam("f_now", type_=lease.c.expires_at.type))
              .with_for_update(read=True))
     return _update_stmt(table, columns).where(holds.exists())
+
+
+_EVENT_FIELDS = ("entity_kind", "entity_id", "from_state", "to_state", "version", "reason", "actor", "epoch",
+                 "payload", "ts")
+
+
+@lru_cache(maxsize=256)
+def _update_with_event_stmt(table: sa.Table, columns: tuple[str, ...], fenced: bool) -> sa.Insert:
+    """``WITH u AS (UPDATE … RETURNING id) INSERT INTO events … SELECT … FROM u RETURNING seq``."""
+    update = _fenced_update_stmt(table, columns) if fenced else _update_stmt(table, columns)
+    u = update.returning(table.c.id).cte("u")
+    ev = models.events.c
+    values = [sa.bindparam(f"e_{name}", type_=ev[name].type) for name in _EVENT_FIELDS]
+    insert = (sa.insert(models.events)
+              .from_select(list(_EVENT_FIELDS), sa.select(*values).select_from(u))
+              .returning(ev.seq))
+    return insert.add_cte(u)
+
+
+@lru_cache(maxsize=64)
+def _create_with_event_stmt(table: sa.Table) -> sa.Insert:
+    """PostgreSQL: ``WITH r AS (INSERT … ON CONFLICT DO NOTHING RETURNING id) INSERT INTO events …``."""
+    row = (postgresql.insert(table)
+           .values({name: sa.bindparam(name, type_=col.type) for name, col in table.c.items()})
+           .on_conflict_do_nothing(index_elements=["id"]).returning(table.c.id).cte("r"))
+    ev = models.events.c
+    values = [sa.bindparam(f"e_{name}", type_=ev[name].type) for name in _EVENT_FIELDS]
+    return (sa.insert(models.events).from_select(list(_EVENT_FIELDS), sa.select(*values).select_from(row))
+            .returning(ev.seq).add_cte(row))
 
 
 @lru_cache(maxsize=64)
