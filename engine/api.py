@@ -17,7 +17,7 @@ from typing import Any
 import sqlalchemy as sa
 from aiohttp import web
 
-from journal import JournalError, audit, lease, models
+from journal import audit, lease, models
 from journal.audit import EventFilter
 
 from .leader import LEASE_NAME
@@ -206,4 +206,4 @@ async def entity_counts(journal: Any) -> dict[str, dict[str, int]]:
     return out
 
 
-__all__ = ["JournalError", "make_app", "parse_event_filter", "status_snapshot"]
+__all__ = ["entity_counts", "make_app", "parse_event_filter", "status_snapshot"]

@@ -127,6 +127,10 @@ class ParticipantEntry(_Strict):
     def _url(cls, v: str) -> str:
         if not re.match(r"^https?://[^/\s]+", v):
             raise ValueError(f"{v!r} is not an http(s) URL")
+        if "@" in v.split("//", 1)[1].split("/", 1)[0]:
+            # The URL is recorded in the journal; credentials belong in control.token.
+            raise ValueError("must not carry credentials (user:password@); use control.token "
+                             "or TIDELOG_CONTROL_TOKEN")
         return v.rstrip("/")
 
 

@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 import aiohttp
 import orjson
+from yarl import URL
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, stop_after_delay, wait_exponential
 
 Pool = Literal["control", "data"]
@@ -37,11 +38,11 @@ class RpcError(Exception):
     """Base of every error a call returns to its caller."""
 
     def __init__(self, target: str, method: str, path: str, detail: str) -> None:
-        self.target = target
+        self.target = redact(target)
         self.method = method
         self.path = path
         self.detail = detail
-        super().__init__(f"{method} {target.rstrip('/')}{path}: {detail}")
+        super().__init__(f"{method} {self.target.rstrip('/')}{path}: {detail}")
 
     def as_dict(self) -> dict[str, Any]:
         return {"type": type(self).__name__, "detail": self.detail}
@@ -79,6 +80,15 @@ class RemoteError(RpcError):
 
     def as_dict(self) -> dict[str, Any]:
         return {"type": "RemoteError", "status": self.status, "code": self.code, "detail": self.detail}
+
+
+def redact(url: str) -> str:
+    """``url`` without user or password (errors land in logs and in the journal)."""
+    try:
+        parsed = URL(url)
+    except (ValueError, TypeError):
+        return "<unparseable url>"
+    return str(parsed.with_user(None)) if parsed.user or parsed.password else url
 
 
 def encode_body(body: Any) -> bytes:

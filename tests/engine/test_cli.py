@@ -97,6 +97,7 @@ def test_status_table(journal_url: str, tmp_path: Path) -> None:
     ("participants:\n  - name: a\n    url: ftp://x\n", "participants.0.url"),
     ("participants:\n  - {name: a, url: 'http://x'}\n  - {name: a, url: 'http://y'}\n", "appears twice"),
     ("colour: blue\n", "colour: Extra inputs are not permitted"),
+    ("participants:\n  - {name: a, url: 'http://user:pw@x:1'}\n", "must not carry credentials"),
     ("journal: {url: [unclosed\n", "not valid YAML"),
     ("- just\n- a list\n", "top level must be a mapping"),
 ])

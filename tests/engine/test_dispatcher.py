@@ -165,3 +165,14 @@ async def test_recovery_resends_repeatable_and_parks_the_rest(journal: Journal, 
         await rpc.close()
     assert rows[safe].state == "succeeded"
     assert remote.calls == {"safe": 1}, "the ambiguous call must never be re-sent"
+
+
+async def test_credentials_in_a_target_never_reach_an_error() -> None:
+    rpc = RpcClient(token=None, transport_tries=1)
+    try:
+        with pytest.raises(TransportError) as info:
+            await rpc.call("http://alice:s3cret@127.0.0.1:9", "GET", "/status", timeout_s=2)
+    finally:
+        await rpc.close()
+    assert "s3cret" not in str(info.value) and "alice" not in str(info.value)
+    assert "s3cret" not in str(info.value.as_dict())
