@@ -175,20 +175,16 @@ class Journal:
     async def write(self, fence: Fence | None = None) -> AsyncIterator[WriteTx]:
         """One write transaction; commits on normal exit, rolls back on any exception.
 
-        With a ``fence`` the first statement checks that the fence's holder still
-        holds the lease at that epoch and that it has not expired; otherwise
-        :class:`~journal.errors.LeaseLost` is raised and nothing is written.
+        With a ``fence``, the holder must still hold the lease at that epoch, unexpired:
+        the check is folded into the first compare-and-set, or made by its own
+        statement before any other write (see :meth:`WriteTx.ensure_fence`); on
+        failure :class:`~journal.errors.LeaseLost` is raised and nothing is written.
         Commit listeners run after the commit.
         """
-        # SQLite checks the fence up front (statements are inline and cost no round trip);
-        # PostgreSQL folds it into the first write (see WriteTx.ensure_fence).
-        eager = fence is not None and self.backend == "sqlite"
         async with self._writer() as writer:
-            tx = WriteTx(self, writer, fence, fence_pending=fence is not None and not eager)
-            found = await writer.begin(WriteTx.fence_statement(fence) if eager and fence else None)
+            tx = WriteTx(self, writer, fence, fence_pending=fence is not None)
+            await writer.begin()
             try:
-                if eager:
-                    tx.check_fence(found)
                 yield tx
                 await tx.settle()
             except BaseException:

@@ -5,15 +5,16 @@ back fully buffered results (so no cursor outlives a call).
 
 - SQLite: the process has one write connection (SQLite admits a single
   writer anyway), used under an asyncio lock by one transaction at a time.
-  The two calls that can wait — ``BEGIN IMMEDIATE`` (for the file lock, up to
-  the busy timeout) and ``COMMIT`` (for the fsync) — run in a dedicated
-  thread, each with the work around it (the fence check; the event inserts),
-  so a transaction costs two thread hops however many statements it runs.
-  The statements in between run on the event loop: once ``BEGIN IMMEDIATE``
-  holds the lock, a statement in WAL mode never waits on another connection,
-  and it takes microseconds. The connection runs in WAL mode with
-  ``synchronous=FULL``; general reads go through the async (aiosqlite) engine
-  on their own connections, which WAL lets run beside the writer.
+  ``BEGIN IMMEDIATE`` runs inline with a busy timeout of zero: it takes the
+  file lock at once or reports SQLITE_BUSY at once, and the wait for another
+  process's lock is an asyncio sleep loop (up to the configured busy timeout),
+  never a blocked event loop. Once the lock is held, statements run inline too:
+  in WAL mode a statement under the write lock never waits on another
+  connection, and it takes microseconds. Only the commit (with the fsync of
+  ``synchronous=FULL``) and the event inserts before it go to a dedicated
+  thread: one thread hop per transaction. General reads go through the async
+  (aiosqlite) engine on their own connections, which WAL lets run beside the
+  writer.
 - PostgreSQL: a pooled asyncpg connection through SQLAlchemy's async engine.
 """
 
@@ -70,8 +71,8 @@ class Writer(ABC):
     """One write transaction at a time on one connection."""
 
     @abstractmethod
-    async def begin(self, first: sa.Executable | None) -> Buffered | None:
-        """Start the transaction and run ``first`` (the fence check) in the same call."""
+    async def begin(self) -> None:
+        """Start the transaction."""
 
     @abstractmethod
     async def execute(self, stmt: sa.Executable, params: Params = None) -> Buffered:
@@ -194,7 +195,7 @@ class SqliteWriter(Writer):
         self._t = thread
         self._tx: sa.Transaction | None = None
 
-    async def begin(self, first: sa.Executable | None) -> Buffered | None:
+    async def begin(self) -> None:
         conn = self._t.conn()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._t.busy_timeout_s
@@ -204,7 +205,7 @@ class SqliteWriter(Writer):
                 # Inline: BEGIN IMMEDIATE either takes the file lock at once or reports
                 # SQLITE_BUSY at once (busy timeout 0); waiting happens here, off SQLite.
                 self._tx = conn.begin()
-                break
+                return
             except sa.exc.OperationalError as exc:
                 if conn.in_transaction():
                     conn.rollback()
@@ -214,12 +215,6 @@ class SqliteWriter(Writer):
                     raise
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.05)
-        try:
-            return None if first is None else Buffered.of(conn.execute(first))
-        except BaseException:
-            self._tx.rollback()
-            self._tx = None
-            raise
 
     async def execute(self, stmt: sa.Executable, params: Params = None) -> Buffered:
         # Inline on purpose: the write lock is held, so this cannot wait on another writer.
@@ -264,11 +259,10 @@ class AsyncWriter(Writer):
         self._engine = engine
         self._conn: AsyncConnection | None = None
 
-    async def begin(self, first: sa.Executable | None) -> Buffered | None:
+    async def begin(self) -> None:
         self._conn = await self._engine.connect()
         try:
             await self._conn.begin()
-            return None if first is None else Buffered.of(await self._conn.execute(first))
         except BaseException:
             await self._close(commit=False)
             raise
