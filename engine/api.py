@@ -17,7 +17,7 @@ from typing import Any
 import sqlalchemy as sa
 from aiohttp import web
 
-from journal import audit, lease, models
+from journal import KindRegistry, audit, lease, models
 from journal.audit import EventFilter
 
 from .leader import LEASE_NAME
@@ -63,20 +63,45 @@ def _time(q: dict[str, str], name: str) -> datetime | None:
     return value
 
 
-def parse_event_filter(q: dict[str, str], known_kinds: list[str]) -> EventFilter:
+#: States of records that are not entities (the lease log).
+LEASE_STATES = {"held", "released"}
+
+
+def parse_event_filter(q: dict[str, str], kinds: KindRegistry) -> EventFilter:
     """Validate ``GET /v1/events`` parameters into a filter; :class:`QueryError` names the culprit."""
     for name in q:
         if name not in EVENT_PARAMS:
             raise QueryError(name, q[name], f"unknown parameter (known: {', '.join(sorted(EVENT_PARAMS))})")
+    known_kinds = kinds.names() + ["leases"]
     kind = q.get("kind")
     if kind is not None and kind not in known_kinds:
         raise QueryError("kind", kind, f"unknown entity kind (known: {', '.join(known_kinds)})")
+    state = q.get("state")
+    if state is not None:
+        if kind is None:
+            states = set(LEASE_STATES).union(*(k.machine.states for k in kinds))
+        else:
+            states = LEASE_STATES if kind == "leases" else set(kinds.get(kind).machine.states)
+        if state not in states:
+            where = f"of {kind}" if kind else "of any kind"
+            raise QueryError("state", state, f"not a state {where} (known: {', '.join(sorted(states))})")
     since, until = _time(q, "since"), _time(q, "until")
     if since and until and since > until:
         raise QueryError("since", q["since"], "must not be later than until")
-    return EventFilter(entity_kind=kind, entity_id=q.get("entity"), to_state=q.get("state"),
+    return EventFilter(entity_kind=kind, entity_id=q.get("entity"), to_state=state,
                        since=since, until=until, after_seq=_int(q, "after", 0, 0, 2**62),
                        limit=_int(q, "limit", 100, 1, audit.MAX_PAGE))
+
+
+def single_values(query: Any) -> dict[str, str]:
+    """The query as a plain mapping; a parameter given twice is refused, not half-read."""
+    out: dict[str, str] = {}
+    for name in query:
+        values = query.getall(name)
+        if len(values) > 1:
+            raise QueryError(name, ",".join(values), "given more than once")
+        out[name] = values[0]
+    return out
 
 
 def event_json(ev: dict[str, Any]) -> dict[str, Any]:
@@ -118,6 +143,9 @@ def make_app(orch: Orchestrator) -> web.Application:
             revision = await orch.check_schema()
         except Exception as exc:  # noqa: BLE001 - reported, not raised
             return web.json_response({"ready": False, "reason": str(exc)}, status=503)
+        if not orch.working():
+            return web.json_response({"ready": False, "reason": "a leader loop is not running; stepping down"},
+                                     status=503)
         return web.json_response({"ready": True, "schema": revision, "leader": orch.is_leader})
 
     async def metrics(_: web.Request) -> web.Response:
@@ -143,7 +171,7 @@ def make_app(orch: Orchestrator) -> web.Application:
 
     async def events(request: web.Request) -> web.Response:
         try:
-            flt = parse_event_filter(dict(request.query), orch.journal.kinds.names() + ["leases"])
+            flt = parse_event_filter(single_values(request.query), orch.journal.kinds)
         except QueryError as exc:
             return error(400, "invalid_query", str(exc))
         async with orch.journal.read() as conn:

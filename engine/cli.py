@@ -18,6 +18,9 @@ import sys
 from datetime import datetime
 from typing import Any
 
+from alembic.util import CommandError
+from sqlalchemy.exc import DBAPIError
+
 from journal import JournalError, audit, lease, schema
 
 from . import logs
@@ -61,11 +64,13 @@ def main(argv: list[str] | None = None) -> int:
     handlers = {"serve": _serve, "migrate": _migrate, "status": _status, "events": _events, "verify": _verify}
     try:
         return handlers[args.command](settings, args)
-    except (JournalError, ValueError) as exc:
+    except (JournalError, ValueError, CommandError) as exc:
         print(f"tidelog {args.command}: {exc}", file=sys.stderr)
         return 2
-    except OSError as exc:
-        print(f"tidelog {args.command}: cannot reach the journal: {exc}", file=sys.stderr)
+    except (OSError, DBAPIError) as exc:
+        # Connection refused, no such database, unwritable SQLite path, port in use, ...
+        detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+        print(f"tidelog {args.command}: {detail}", file=sys.stderr)
         return 2
 
 
@@ -165,7 +170,7 @@ def _events(settings: Settings, args: argparse.Namespace) -> int:
         journal = open_journal(settings)
         try:
             await schema.check_schema(journal)
-            flt = parse_event_filter(query, journal.kinds.names() + ["leases"])
+            flt = parse_event_filter(query, journal.kinds)
             async with journal.read() as conn:
                 return await audit.query_events(conn, flt)
         finally:

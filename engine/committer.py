@@ -29,6 +29,11 @@ T = TypeVar("T")
 WriteFn = Callable[[WriteTx], Awaitable[Any]]
 
 
+def raise_if_cancelled(exc: BaseException) -> None:
+    if isinstance(exc, asyncio.CancelledError):
+        raise exc
+
+
 class NotLeader(Exception):
     """This orchestrator holds no valid lease, so it may not write."""
 
@@ -92,13 +97,20 @@ class GroupCommitter:
                 self._wake.clear()
                 await self._wake.wait()
             batch, self._pending = self._pending[: self._max_batch], self._pending[self._max_batch:]
-            await self._commit(batch)
+            # A submitter that gave up (cancelled) must not have its write committed behind its back.
+            batch = [sub for sub in batch if not sub.future.done()]
+            try:
+                await self._commit(batch)
+            except asyncio.CancelledError:
+                self._fail(batch, NotLeader("group commit stopped"))
+                raise
+            except Exception as exc:  # noqa: BLE001 - never let one batch stop the loop
+                self._fail(batch, exc)
 
     async def _commit(self, batch: list[_Submission]) -> None:
         fence = self._fence()
         if fence is None:
-            for sub in batch:
-                sub.future.set_exception(NotLeader("no valid leader lease"))
+            self._fail(batch, NotLeader("no valid leader lease"))
             return
         declared = [sub for sub in batch if sub.ops is not None]
         if declared:
@@ -110,10 +122,18 @@ class GroupCommitter:
     async def _apply(self, batch: list[_Submission], fence: Fence) -> None:
         try:
             outcomes = await self._journal.apply([sub.ops or () for sub in batch], fence)
-        except BaseException as exc:
+        except (LeaseLost, asyncio.CancelledError) as exc:
             self._fail(batch, exc)
-            if not isinstance(exc, Exception):
-                raise
+            raise_if_cancelled(exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - a database error from one submission
+            if len(batch) == 1:
+                self._fail(batch, exc)
+                return
+            # Do not let one bad write (a value the column refuses) fail the others:
+            # apply each submission on its own.
+            for sub in batch:
+                await self._apply([sub], fence)
             return
         self._settle(batch, [(not isinstance(o, Exception), o) for o in outcomes])
 

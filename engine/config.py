@@ -24,6 +24,7 @@ from journal import JournalURL, UnsupportedJournalURL
 
 TOKEN_ENV = "TIDELOG_CONTROL_TOKEN"
 CONFIG_ENV = "TIDELOG_CONFIG"
+_USERINFO = re.compile(r"(://)[^/@\s]*@")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -181,6 +182,8 @@ def _format(exc: ValidationError, source: str) -> str:
     for err in exc.errors():
         where = ".".join(str(p) for p in err["loc"]) or "(top level)"
         value = err.get("input")
+        if isinstance(value, str):
+            value = _USERINFO.sub(r"\1***@", value)  # a URL's password never reaches an error
         shown = "" if "token" in where or isinstance(value, dict | list) else f" (got {value!r})"
         lines.append(f"  {where}: {err['msg']}{shown}")
     return "\n".join(lines)

@@ -30,7 +30,7 @@ from journal.writes import Row
 from .clock import Clock
 from .committer import GroupCommitter, NotLeader
 from .metrics import Metrics
-from .rpc import CallTimeout, RemoteError, RpcClient, RpcError, TransportError
+from .rpc import RemoteError, RpcClient, RpcError, TransportError
 
 log = logging.getLogger("tidelog.dispatcher")
 
@@ -82,27 +82,55 @@ class Dispatcher:
         return rows
 
     async def run(self) -> None:
-        """Dispatch until cancelled; in-flight calls are awaited on cancellation for a clean stop."""
+        """Dispatch until cancelled; in-flight calls are awaited on cancellation for a clean stop.
+
+        A database error in one pass is logged and the pass is tried again after
+        ``poll_s``: the dispatcher only stops when it is cancelled.
+        """
         try:
             while True:
-                self._wake.clear()
-                limit = min(self._concurrency - len(self._calls), self._batch)
-                claimed: list[Row] = []
-                if limit > 0:
-                    async def claim(tx: WriteTx) -> list[Row]:
-                        return await outbox.claim_due(tx, limit=limit)
-
-                    claimed = await self._committer.run(claim)
-                for row in claimed:
-                    task = asyncio.create_task(self._call(row), name=f"tidelog-rpc-{row.id[:12]}")
-                    self._calls.add(task)
-                    task.add_done_callback(self._call_done)
-                if limit > 0 and len(claimed) == limit:
-                    continue  # there may be more due right now
-                await self._sleep_until_due()
+                try:
+                    if await self._pass():
+                        continue  # there may be more due right now
+                    await self._sleep_until_due()
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.exception("dispatcher pass failed; trying again in %.1fs", self._poll_s)
+                    await self._clock.sleep(self._poll_s)
         finally:
             if self._calls:
                 await asyncio.gather(*list(self._calls), return_exceptions=True)
+
+    async def _pass(self) -> bool:
+        """Claim what is due and start the calls; True when the claim was full."""
+        self._wake.clear()
+        limit = min(self._concurrency - len(self._calls), self._batch)
+        if limit <= 0:
+            return False
+
+        async def claim(tx: WriteTx) -> list[Row]:
+            return await outbox.claim_due(tx, limit=limit)
+
+        claiming = asyncio.ensure_future(self._committer.run(claim))
+        try:
+            claimed = await asyncio.shield(claiming)
+        except asyncio.CancelledError:
+            # A claim that committed must still be sent (or settled by recovery as
+            # ambiguous): start its calls before stopping; run() awaits them.
+            try:
+                self._start(await claiming)
+            except Exception:  # noqa: BLE001 - the claim itself failed: nothing was claimed
+                pass
+            raise
+        self._start(claimed)
+        return len(claimed) == limit
+
+    def _start(self, claimed: list[Row]) -> None:
+        for row in claimed:
+            task = asyncio.create_task(self._call(row), name=f"tidelog-rpc-{row.id[:12]}")
+            self._calls.add(task)
+            task.add_done_callback(self._call_done)
 
     def _call_done(self, task: asyncio.Task[None]) -> None:
         self._calls.discard(task)
@@ -163,7 +191,7 @@ class Dispatcher:
 
             await self._record(fail, row)
             return
-        maybe_sent = not isinstance(exc, TransportError) or exc.sent or isinstance(exc, CallTimeout)
+        maybe_sent = exc.sent if isinstance(exc, TransportError) else True
         if not row["repeatable"] and maybe_sent:
             async def ambiguous(tx: WriteTx) -> None:
                 await tx.transition(outbox.KIND, row.id, from_state="inflight", version=row.version,
@@ -185,12 +213,25 @@ class Dispatcher:
 
         await self._record(later, row)
 
-    async def _record(self, fn: Callable[[WriteTx], Any], row: Row) -> None:
-        try:
-            await self._committer.run(fn)
-        except StaleRow as exc:
-            # Another orchestrator (after a take-over) settled this intent first.
-            log.warning("outcome of rpc %s not recorded: %s", row.id[:12], exc)
-        except (LeaseLost, NotLeader) as exc:
-            # Fenced: the intent stays inflight and the next leader's recovery settles it.
-            log.warning("outcome of rpc %s not recorded, lease lost: %s", row.id[:12], exc)
+    async def _record(self, fn: Callable[[WriteTx], Any], row: Row, *, tries: int = 5) -> None:
+        delay = 0.1
+        for attempt in range(1, tries + 1):
+            try:
+                await self._committer.run(fn)
+                return
+            except StaleRow as exc:
+                # Another orchestrator (after a take-over) settled this intent first.
+                log.warning("outcome of rpc %s not recorded: %s", row.id[:12], exc)
+                return
+            except (LeaseLost, NotLeader) as exc:
+                # Fenced: the intent stays inflight and the next leader's recovery settles it.
+                log.warning("outcome of rpc %s not recorded, lease lost: %s", row.id[:12], exc)
+                return
+            except Exception:
+                if attempt == tries:
+                    # Left inflight: the next election's recovery settles it (re-send if repeatable).
+                    log.exception("outcome of rpc %s not recorded after %d tries", row.id[:12], tries)
+                    return
+                log.warning("recording the outcome of rpc %s failed; retrying", row.id[:12], exc_info=True)
+                await self._clock.sleep(delay)
+                delay *= 2

@@ -46,6 +46,7 @@ class Leader:
         #: remote that has seen a newer leader refuses them.
         self.last_epoch: int | None = None
         self._valid_until = 0.0
+        self._generation = 0
         self._kick = asyncio.Event()
 
     @property
@@ -68,14 +69,15 @@ class Leader:
         if self._fence is not None:
             log.warning("lease lost: %s", exc or "refused by the journal")
         self._valid_until = 0.0
+        self._generation += 1  # a renewal already under way must not revive the lease
         self._kick.set()
 
     async def run(self) -> None:
         """Hold or wait for the lease until cancelled; steps down at once when it is lost."""
         try:
             while True:
-                await self._tick()
                 self._kick.clear()
+                await self._tick()
                 sleeper = asyncio.ensure_future(self._clock.sleep(self._renew))
                 kicked = asyncio.ensure_future(self._kick.wait())
                 try:
@@ -98,6 +100,7 @@ class Leader:
             # Our own view says the lease ran out (we were paused or a write was fenced).
             await self._step_down()
         started = self._clock.monotonic()
+        generation = self._generation
         try:
             if self._fence is not None:
                 state = await lease.renew(self.journal, self._fence, self._ttl)
@@ -114,6 +117,10 @@ class Leader:
             log.exception("lease loop: journal unavailable")
             if self._fence is not None and self.fence() is None:
                 await self._step_down()
+            return
+        if generation != self._generation:
+            # lost() was called while this renewal ran: step down rather than trust it.
+            await self._step_down()
             return
         self._valid_until = started + self._ttl - self._margin
         if self._fence is None or self._fence.epoch != state.epoch:

@@ -162,8 +162,14 @@ class Reconciler:
 
     async def _resync_loop(self) -> None:
         while True:
-            n = await self.resync()
-            log.debug("resync queued %d entities", n)
+            try:
+                n = await self.resync()
+                log.debug("resync queued %d entities", n)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                # A journal hiccup: the next resync will catch up; keep the loop alive.
+                log.exception("resync failed; trying again in %.1fs", self._resync_interval_s)
             await self.clock.sleep(self._resync_interval_s)
 
     async def _worker(self, _n: int) -> None:

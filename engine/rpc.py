@@ -164,21 +164,35 @@ class RpcClient:
                 return False
             return repeatable or not exc.sent
 
+        sent_any = False
+        last: list[RpcError] = []
+
         async def attempt() -> Any:
+            nonlocal sent_any
             remaining = deadline - loop.time()
             if remaining <= 0:
-                raise CallTimeout(target, method, path, f"deadline of {timeout_s:g}s passed", sent=True)
+                # Report what the earlier attempts met, and whether any of them may have arrived.
+                if last:
+                    raise last[-1]
+                raise CallTimeout(target, method, path, f"deadline of {timeout_s:g}s passed", sent=sent_any)
             try:
-                async with session.request(method, url, data=data, headers=headers,
+                async with session.request(method, url, data=data, headers=headers, allow_redirects=False,
                                            timeout=aiohttp.ClientTimeout(total=remaining)) as resp:
                     raw = await resp.read()
                     status = resp.status
+            except aiohttp.ConnectionTimeoutError:
+                last.append(CallTimeout(target, method, path, f"cannot connect within {timeout_s:g}s",
+                                        sent=sent_any))
+                raise last[-1] from None
             except aiohttp.ClientConnectorError as exc:
-                raise TransportError(target, method, path, f"cannot connect: {exc.os_error or exc}",
-                                     sent=False) from None
+                last.append(TransportError(target, method, path, f"cannot connect: {exc.os_error or exc}",
+                                           sent=sent_any))
+                raise last[-1] from None
             except asyncio.TimeoutError:
+                sent_any = True
                 raise CallTimeout(target, method, path, f"no reply within {timeout_s:g}s", sent=True) from None
             except aiohttp.ClientError as exc:
+                sent_any = True
                 raise TransportError(target, method, path, f"{type(exc).__name__}: {exc}", sent=True) from None
             return self._decode(target, method, path, status, raw)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from typing import Any
 
 from journal import Fence, Journal, LeaseLost, schema
@@ -111,36 +111,61 @@ class Orchestrator:
             log.exception("start-up recovery failed; stepping down")
             self.leader.lost()
             return
-        self._work = [asyncio.create_task(self._run_reconciler(), name="tidelog-reconciler"),
-                      asyncio.create_task(self.dispatcher.run(), name="tidelog-dispatcher")]
+        self._work = [asyncio.create_task(self._supervise("reconciler", self.reconciler.run()),
+                                          name="tidelog-reconciler"),
+                      asyncio.create_task(self._supervise("dispatcher", self.dispatcher.run()),
+                                          name="tidelog-dispatcher")]
 
-    async def _run_reconciler(self) -> None:
+    async def _supervise(self, name: str, work: Coroutine[Any, Any, None]) -> None:
+        """Run one of the leader's loops; if it ever ends on its own, step down.
+
+        Stepping down and being elected again (epoch + 1) is the one recovery path:
+        it reloads every non-terminal row and settles in-flight intents.
+        """
         try:
-            await self.reconciler.run()
+            await work
+        except asyncio.CancelledError:
+            raise
         except LeaseLost as exc:
             self.leader.lost(exc)
+            return
+        except Exception:
+            log.exception("%s stopped unexpectedly; stepping down so that recovery restarts it", name)
+        else:
+            log.error("%s returned unexpectedly; stepping down", name)
+        self.leader.lost()
+
+    def working(self) -> bool:
+        """False when this process leads but one of its loops is not running."""
+        if not self.is_leader:
+            return True
+        return len(self._work) == 2 and not any(t.done() for t in self._work)
 
     async def _lost(self) -> None:
         self.metrics.leader.set(0)
         await self._stop_work()
 
     async def _stop_work(self) -> None:
+        """Drain reconciles and in-flight calls for up to the grace period each, then cancel."""
         work, self._work = self._work, []
-        if work:
-            await self.reconciler.drain(self.settings.orchestrator.shutdown_grace_s)
-        for t in work:
-            t.cancel()
-        if work:
+        if not work:
+            return
+        grace = self.settings.orchestrator.shutdown_grace_s
+        try:
+            await self.reconciler.drain(grace)
+        finally:
+            for t in work:
+                t.cancel()
+            # The dispatcher awaits its calls when cancelled; bound that wait too.
+            _, pending = await asyncio.wait(work, timeout=grace)
+            for t in pending:
+                t.cancel()
             await asyncio.gather(*work, return_exceptions=True)
 
     async def stop(self) -> None:
         """Graceful stop: finish in-flight work within the grace period, release the lease."""
-        grace = self.settings.orchestrator.shutdown_grace_s
         fence = self.leader.fence()
-        try:
-            await asyncio.wait_for(self._stop_work(), timeout=grace)
-        except asyncio.TimeoutError:
-            log.warning("in-flight work did not finish within %.1fs; recovery will settle it", grace)
+        await self._stop_work()
         if self._leader_task is not None:
             self._leader_task.cancel()
             await asyncio.gather(self._leader_task, return_exceptions=True)

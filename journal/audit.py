@@ -117,7 +117,8 @@ async def verify(journal: Journal, kinds: Sequence[str] | None = None) -> list[M
     out: list[Mismatch] = []
     e = models.events
     names = kinds if kinds is not None else journal.kinds.names()
-    async with journal.read() as conn:
+    # One snapshot for rows and events alike, or concurrent writes look like mismatches.
+    async with journal.read(snapshot=True) as conn:
         for name in names:
             ek = journal.kinds.get(name)
             rows = {r.id: r._mapping for r in (await conn.execute(sa.select(ek.table))).all()}

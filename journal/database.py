@@ -10,6 +10,7 @@ so a take-over waits for writes already under way under the old epoch.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -165,9 +166,15 @@ class Journal:
                 listener(committed)
 
     @asynccontextmanager
-    async def read(self) -> AsyncIterator[AsyncConnection]:
-        """A read-only transaction (SQLite: deferred, never takes the writer lock)."""
+    async def read(self, *, snapshot: bool = False) -> AsyncIterator[AsyncConnection]:
+        """A read-only transaction (SQLite: deferred, never takes the writer lock).
+
+        ``snapshot=True`` makes every statement see the same committed state
+        (PostgreSQL: REPEATABLE READ; SQLite's deferred read transaction already does).
+        """
         async with self.engine.connect() as conn:
+            if snapshot and self.backend == "postgresql":
+                conn = await conn.execution_options(isolation_level="REPEATABLE READ")
             async with conn.begin():
                 yield conn
 
@@ -190,7 +197,14 @@ class Journal:
             except BaseException:
                 await writer.rollback()
                 raise
-            await writer.finish(*tx.pending_events())
+            try:
+                await writer.finish(*tx.pending_events())
+            except asyncio.CancelledError:
+                # Cancelled while committing: the commit finished first (see
+                # SqliteWriterThread.run); if it took, the listeners must still hear it.
+                if writer.committed:
+                    self._notify(tx.committed)
+                raise
         self._notify(tx.committed)
 
     @asynccontextmanager

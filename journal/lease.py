@@ -38,10 +38,12 @@ async def read_lease(journal: Journal, name: str) -> LeaseState | None:
 
 
 async def acquire(journal: Journal, name: str, holder: str, ttl_s: float) -> LeaseState | None:
-    """Take, renew or take over the lease; ``None`` when another holder's lease is live.
+    """Take a new or lapsed lease with epoch + 1; ``None`` while any lease is live.
 
-    A holder that still holds a live lease keeps its epoch (a renewal); a new or
-    lapsed lease is taken with epoch + 1 and the take-over is logged as an event.
+    Never a renewal, not even for the same holder name: a restarted process with
+    a configured id must not inherit its predecessor's epoch (the predecessor's
+    calls may still be on the wire). Renewal is :func:`renew`, with the fence
+    that :func:`acquire` returned. A take-over is logged as an event.
     """
     t = models.leases
     async with journal.write() as tx:
@@ -61,11 +63,7 @@ async def acquire(journal: Journal, name: str, holder: str, ttl_s: float) -> Lea
                          note={"holder": holder, "epoch": 1})
             return LeaseState(name, holder, 1, expires)
         if row.expires_at > now:
-            if row.holder != holder:
-                return None
-            await tx.execute(sa.update(t).where(t.c.name == name)
-                                  .values(expires_at=expires, renewed_at=now))
-            return LeaseState(name, holder, row.epoch, expires)
+            return None
         epoch = row.epoch + 1
         await tx.execute(sa.update(t).where(t.c.name == name).values(
             holder=holder, epoch=epoch, expires_at=expires, acquired_at=now, renewed_at=now))

@@ -70,6 +70,9 @@ class Buffered:
 class Writer(ABC):
     """One write transaction at a time on one connection."""
 
+    #: True once ``finish`` has committed (read when the commit was cancelled part way).
+    committed = False
+
     @abstractmethod
     async def begin(self) -> None:
         """Start the transaction."""
@@ -167,7 +170,20 @@ class SqliteWriterThread:
     async def run(self, fn: Callable[[], T]) -> T:
         if self._pool is None:  # first use, or first use after close()
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="tidelog-sqlite-writer")
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+        fut = asyncio.get_running_loop().run_in_executor(self._pool, fn)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            # The thread owns the connection until fn returns (a commit cannot be taken
+            # back half way): wait for it, whatever it does, then let the cancel go on.
+            while not fut.done():
+                try:
+                    await asyncio.shield(fut)
+                except asyncio.CancelledError:
+                    continue
+                except BaseException:  # noqa: BLE001 - fn's own error; the cancel wins
+                    break
+            raise
 
     async def close(self) -> None:
         """Close the write connection and stop the thread; idempotent, and a later write starts afresh
@@ -231,6 +247,7 @@ class SqliteWriter(Writer):
             except BaseException:
                 tx.rollback()
                 raise
+            self.committed = True
 
         await self._t.run(go)
 
@@ -291,6 +308,7 @@ class AsyncWriter(Writer):
         try:
             if commit:
                 await conn.commit()
+                self.committed = True
             else:
                 await conn.rollback()
         finally:

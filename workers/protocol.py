@@ -49,7 +49,7 @@ class StatusReply(BaseModel):
 
     model_config = ConfigDict(extra="allow")
     kind: str
-    instance: str = Field(min_length=1)
+    instance: str = Field(min_length=1, max_length=255)
     phase: Phase
     checkpoint_id: str | None = None
     lease_expires_at: float | None = None

@@ -103,6 +103,8 @@ async def test_events_filters_and_paging(api: tuple[str, Orchestrator, StatusSer
     ({"since": "2026-01-01T00:00:00"}, "must carry a timezone"),
     ({"since": "2026-02-01T00:00:00+00:00", "until": "2026-01-01T00:00:00+00:00"}, "later than until"),
     ({"colour": "red"}, "colour='red': unknown parameter"),
+    ({"state": "nosuchstate"}, "state='nosuchstate': not a state of any kind"),
+    ({"kind": "participants", "state": "succeeded"}, "not a state of participants"),
 ])
 async def test_bad_query_parameters_are_named(api: tuple[str, Orchestrator, StatusServer],
                                               params: dict[str, str], needle: str) -> None:
@@ -110,6 +112,12 @@ async def test_bad_query_parameters_are_named(api: tuple[str, Orchestrator, Stat
     status, body = await get(f"{base}/v1/events", params=params)
     assert status == 400
     assert body["error"]["code"] == "invalid_query" and needle in body["error"]["detail"]
+
+
+async def test_a_parameter_given_twice_is_refused(api: tuple[str, Orchestrator, StatusServer]) -> None:
+    base, _, _ = api
+    status, body = await get(f"{base}/v1/events?limit=1&limit=2")
+    assert status == 400 and "limit='1,2': given more than once" in body["error"]["detail"]
 
 
 async def test_mutating_route_needs_the_token(api: tuple[str, Orchestrator, StatusServer]) -> None:

@@ -107,6 +107,7 @@ def test_bad_config_is_named_and_changes_nothing(tmp_path: Path, text: str, need
     res = tidelog("migrate", config=cfg)
     assert res.returncode == 2
     assert str(cfg) in res.stderr and needle in res.stderr, res.stderr
+    assert ":pw@" not in res.stderr, "a password in a URL must never be echoed"
     assert list(tmp_path.iterdir()) == [cfg], "a refused config must not create a journal"
 
 

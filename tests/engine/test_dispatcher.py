@@ -123,6 +123,8 @@ async def test_outcomes_are_recorded_and_owners_woken(journal: Journal, remote: 
         "broken": await queue(journal, remote.url, "/broken", max_attempts=3),
         "step": await queue(journal, remote.url, "/slow", repeatable=False, timeout_s=0.3),
         "down": await queue(journal, "http://127.0.0.1:9", "/x", max_attempts=2),
+        # Not safe to repeat, but the connection was never made: it cannot have arrived.
+        "down_unsafe": await queue(journal, "http://127.0.0.1:9", "/y", repeatable=False, max_attempts=1),
     }
     task = asyncio.create_task(d.run())
     try:
@@ -141,7 +143,8 @@ async def test_outcomes_are_recorded_and_owners_woken(journal: Journal, remote: 
     # Not safe to repeat and may have arrived: ambiguous, never re-sent.
     assert r["step"].state == "ambiguous" and remote.calls["slow"] == 1
     assert r["down"].state == "failed" and r["down"]["error"]["sent"] is False
-    assert {i for _, i in woken} >= {f"owner-{n}" for n in ("ok", "flaky", "refuse", "broken", "slow", "x")}
+    assert r["down_unsafe"].state == "failed" and r["down_unsafe"]["error"]["sent"] is False
+    assert {i for _, i in woken} >= {f"owner-{n}" for n in ("ok", "flaky", "refuse", "broken", "slow", "x", "y")}
     assert await audit.verify(journal) == []
 
 

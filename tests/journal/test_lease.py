@@ -45,13 +45,25 @@ async def test_renewal_keeps_the_epoch(orchestrators: tuple[Journal, Journal], c
     first = await lease.acquire(a, "leader", "orch-a", TTL)
     assert first is not None
     clock.advance(TTL - 1)
-    again = await lease.acquire(a, "leader", "orch-a", TTL)
-    assert again is not None and again.epoch == 1 and again.expires_at == clock.now + timedelta(seconds=TTL)
-    clock.advance(TTL - 1)
     renewed = await lease.renew(a, first.fence(), TTL)
     assert renewed.epoch == 1 and renewed.expires_at == clock.now + timedelta(seconds=TTL)
     assert await lease.read_lease(a, "leader") == renewed
     assert len(await events(a, "leases")) == 1  # renewals are not events
+
+
+async def test_the_same_holder_name_never_inherits_a_live_epoch(
+        orchestrators: tuple[Journal, Journal], clock: FakeClock) -> None:
+    """A restarted process with the same configured id waits for the lapse and takes epoch + 1."""
+    a, b = orchestrators
+    first = await lease.acquire(a, "leader", "orch-a", TTL)
+    assert first is not None and first.epoch == 1
+    assert await lease.acquire(b, "leader", "orch-a", TTL) is None
+    clock.advance(TTL + 1)
+    again = await lease.acquire(b, "leader", "orch-a", TTL)
+    assert again is not None and again.epoch == 2
+    with pytest.raises(LeaseLost):
+        async with a.write(first.fence()) as tx:
+            await tx.create(P, "p1", reason="old incarnation", values={"url": "u"})
 
 
 async def test_another_holder_gets_none_while_the_lease_is_live(
