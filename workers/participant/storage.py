@@ -200,6 +200,28 @@ def _load_manifest(directory: Path) -> dict[str, Any]:
     return manifest
 
 
+#: A run of 19+ digits may be an integer beyond 64 bits, which orjson would read as a float.
+_LONG_NUMBER = re.compile(rb"[0-9]{19}")
+
+
+def _decode_line(line: bytes, number: int, name: str) -> Any:
+    """Parse one records line exactly: orjson when that is provably exact, else the stdlib.
+
+    orjson refuses NaN and Infinity tokens (so such lines fall back) and reads
+    integers beyond 64 bits as floats, so it is used only on lines without a run
+    of 19 or more digits; everything else goes through ``json.loads``.
+    """
+    if not _LONG_NUMBER.search(line):
+        try:
+            return orjson.loads(line)
+        except orjson.JSONDecodeError:
+            pass
+    try:
+        return json.loads(line)
+    except ValueError:
+        raise invalid(f"line {number} of {name} is not JSON") from None
+
+
 def validate_manifest(manifest: dict[str, Any], kind: str, instance: str) -> None:
     """Refuse a manifest that is not exactly what :func:`write_records` publishes."""
     fields: dict[str, type | tuple[type, ...]] = {
@@ -236,10 +258,7 @@ def read_records(checkpoint_dir: str | os.PathLike[str], kind: str, instance: st
             for line in src:
                 digest.update(line)
                 count += 1
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    raise invalid(f"line {count} of {path.name} is not JSON") from None
+                record = _decode_line(line, count, path.name)
                 if not isinstance(record, dict):
                     raise invalid(f"line {count} of {path.name} is not a JSON object")
                 chosen = select(record)
