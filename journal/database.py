@@ -106,8 +106,8 @@ def _install_sqlite_pragmas(engine: AsyncEngine, busy_timeout_ms: int) -> None:
 
     @event.listens_for(engine.sync_engine, "begin")
     def _on_begin(conn: sa.Connection) -> None:
-        mode = conn.get_execution_options().get("tidelog_begin", "DEFERRED")
-        conn.exec_driver_sql(f"BEGIN {mode}")
+        # Reads only: writes go through the writer connection (journal/writer.py).
+        conn.exec_driver_sql("BEGIN")
 
 
 def create_engine(url: JournalURL, *, busy_timeout_ms: int = 5000, pool_size: int = 5) -> AsyncEngine:

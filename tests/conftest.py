@@ -9,6 +9,7 @@
 - ``fresh_url``: a fresh database with no schema at all, for migration tests.
 - ``make_journal(**kw)``: ``Journal.open(journal_url, **kw)``, disposed after the test.
 - ``journal``: ``make_journal()`` with the real clock.
+- ``clock``: a ``FakeClock`` for tests that move time themselves.
 - ``pg_admin_url`` / ``postgres_server``: the session's PostgreSQL server.
 
 PostgreSQL cases are skipped, with the reason, when the server does not answer
@@ -25,6 +26,7 @@ import pytest
 
 from journal import Journal
 from tests.support.backends import BACKENDS
+from tests.support.journal_state import FakeClock
 from tests.support.databases import (
     PostgresServer,
     migrate,
@@ -118,6 +120,12 @@ async def make_journal(journal_url: str) -> AsyncIterator[Callable[..., Journal]
     finally:
         for journal in opened:
             await journal.dispose()
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    """A clock that stands still until a test advances it (``Journal.open(url, clock=clock)``)."""
+    return FakeClock()
 
 
 @pytest.fixture

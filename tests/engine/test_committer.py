@@ -47,11 +47,6 @@ class Leader:
 
 
 @pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
-
-
-@pytest.fixture
 async def gj(make_journal: Callable[..., Journal], clock: FakeClock) -> Journal:
     journal = await open_gauge_journal(make_journal, clock=clock, actor="orch-a")
     await journal.apply([[C(f"s{i:02d}")] for i in range(20)])

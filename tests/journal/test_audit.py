@@ -16,11 +16,6 @@ P = "participants"
 
 
 @pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
-
-
-@pytest.fixture
 def journal(make_journal: Callable[..., Journal], clock: FakeClock) -> Journal:
     return make_journal(clock=clock)
 

@@ -33,11 +33,6 @@ from tests.support.gauges import G, C, T, open_gauge_journal, seed
 from tests.support.journal_state import FakeClock, events, row, snapshot
 
 @pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
-
-
-@pytest.fixture
 async def gj(make_journal: Callable[..., Journal], clock: FakeClock) -> Journal:
     return await open_gauge_journal(make_journal, clock=clock, actor="orch-a")
 

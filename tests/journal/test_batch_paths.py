@@ -42,11 +42,6 @@ def flat(outcomes: Sequence[Any]) -> list[Any]:
 
 
 @pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
-
-
-@pytest.fixture
 async def gj(make_journal: Callable[..., Journal], clock: FakeClock) -> Journal:
     return await open_gauge_journal(make_journal, clock=clock, actor="orch-a")
 

@@ -18,11 +18,6 @@ TTL = 10.0
 
 
 @pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
-
-
-@pytest.fixture
 def orchestrators(make_journal: Callable[..., Journal], clock: FakeClock) -> tuple[Journal, Journal]:
     """Two orchestrators on the same journal and the same (fake) clock."""
     return make_journal(clock=clock, actor="orch-a"), make_journal(clock=clock, actor="orch-b")

@@ -20,11 +20,6 @@ BASE = Intent("participants", "p1", "healthy", 3, "http://p1:9000", "POST", "/ng
 
 
 @pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
-
-
-@pytest.fixture
 def journal(make_journal: Callable[..., Journal], clock: FakeClock) -> Journal:
     return make_journal(clock=clock)
 
