@@ -59,6 +59,8 @@ class ErrorCode(str, Enum):
     CHECKPOINT_PARKED = "checkpoint_parked"
     ADMISSION_CLOSED = "admission_closed"
     ROLLOUT_ID_REQUIRED = "rollout_id_required"
+    #: A body that is not JSON or does not fit its request model (the detail names the field).
+    INVALID_REQUEST = "invalid_request"
 
 
 #: The HTTP status each code is sent with.
@@ -75,6 +77,7 @@ ERROR_STATUS: dict[ErrorCode, int] = {
     ErrorCode.CHECKPOINT_PARKED: 409,
     ErrorCode.ADMISSION_CLOSED: 409,
     ErrorCode.ROLLOUT_ID_REQUIRED: 400,
+    ErrorCode.INVALID_REQUEST: 422,
 }
 
 

@@ -1,0 +1,115 @@
+"""The checkpoint routes on an aiohttp application, and the settings that enable them.
+
+:func:`mount` adds ``GET {prefix}/status`` and ``POST {prefix}/<op>`` for the
+seven operations to an application. Every route checks the bearer token in
+constant time (401 ``unauthorized``), parses its body once into the
+operation's request model (a body that is not JSON, or does not fit, is 422
+``invalid_request`` naming the field — never a 500), and answers a
+:class:`~workers.protocol.ProtocolError` with its typed body and status. Any
+other exception from a hook is an ordinary server error (500), logged.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..protocol import CONTROL_PREFIX, REQUEST_MODELS, ErrorCode, ProtocolError
+from .control import ControlPlane
+
+log = logging.getLogger("tidelog.participant")
+
+CONTROL_KEY: web.AppKey[ControlPlane] = web.AppKey("tidelog_checkpoint_control", ControlPlane)
+
+
+class CheckpointSettings(BaseModel):
+    """The ``checkpoint:`` block of a participant server. Off by default; a token is required when on."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    enabled: bool = False
+    control_auth_token: str | None = Field(default=None, repr=False)
+    lease_grace_seconds: float = Field(default=600.0, gt=0, allow_inf_nan=False)
+
+    def token(self) -> str:
+        if not self.control_auth_token:
+            raise ValueError("checkpoint.control_auth_token is required when checkpointing is enabled")
+        return self.control_auth_token
+
+
+def _json(body: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
+
+
+def _error(code: ErrorCode, detail: str) -> web.Response:
+    err = ProtocolError(code, detail)
+    return _json(err.body(), err.status)
+
+
+def _validation_detail(exc: ValidationError) -> str:
+    parts = []
+    for item in exc.errors()[:5]:
+        where = ".".join(str(p) for p in item["loc"]) or "body"
+        parts.append(f"{where}: {item['msg']}")
+    return "; ".join(parts)
+
+
+def mount(app: web.Application, control: ControlPlane, *, token: str, prefix: str = CONTROL_PREFIX) -> None:
+    """Install the checkpoint routes for ``control`` on ``app``, guarded by ``token``."""
+    if not token:
+        raise ValueError("the checkpoint control token must not be empty")
+    expected = f"Bearer {token}".encode()
+    app[CONTROL_KEY] = control
+
+    def authorized(request: web.Request) -> bool:
+        return hmac.compare_digest(request.headers.get("Authorization", "").encode(), expected)
+
+    async def status(request: web.Request) -> web.Response:
+        if not authorized(request):
+            return _error(ErrorCode.UNAUTHORIZED, "missing or wrong bearer token")
+        return _json(control.status().model_dump())
+
+    def route(op: str, call: Callable[[Any], Awaitable[BaseModel]]) -> Callable[[web.Request], Awaitable[web.Response]]:
+        model = REQUEST_MODELS[op]
+
+        async def handler(request: web.Request) -> web.Response:
+            if not authorized(request):
+                return _error(ErrorCode.UNAUTHORIZED, "missing or wrong bearer token")
+            raw = await request.read()
+            try:
+                body = orjson.loads(raw)
+            except orjson.JSONDecodeError:
+                return _error(ErrorCode.INVALID_REQUEST, f"the {op} body is not JSON")
+            try:
+                req = model.model_validate(body)
+            except ValidationError as exc:
+                return _error(ErrorCode.INVALID_REQUEST, f"invalid {op} request: {_validation_detail(exc)}")
+            try:
+                reply = await call(req)
+            except ProtocolError as exc:
+                return _json(exc.body(), exc.status)
+            except Exception as exc:
+                # A hook failed: an ordinary server error. The reply names the exception type only
+                # (its message may carry server data); the log has the traceback.
+                log.exception("checkpoint %s of %s failed", op, req.checkpoint_id)
+                return _json({"error": {"code": "internal_error",
+                                        "detail": f"{op} failed on the participant ({type(exc).__name__}); "
+                                                  "see its log"}}, 500)
+            return _json(reply.model_dump())
+        return handler
+
+    app.router.add_get(f"{prefix}/status", status)
+    calls: dict[str, Callable[[Any], Awaitable[BaseModel]]] = {
+        "prepare": control.prepare, "renew": control.renew, "retire": control.retire, "forget": control.forget,
+        "commit": control.commit, "restore": control.restore, "resume": control.resume}
+    for op, call in calls.items():
+        app.router.add_post(f"{prefix}/{op}", route(op, call))
+
+    async def close(_app: web.Application) -> None:
+        await control.aclose()
+    app.on_cleanup.append(close)
