@@ -78,6 +78,11 @@ class Participant:
 
     # -- commit ---------------------------------------------------------------------------------
 
+    def check_commit(self, scope: frozenset[str] | None) -> None:
+        """Refuse a commit's arguments before anything is exported (a typed ``ProtocolError``);
+        a refusal here pins nothing, so the controller may retry the same id with other ones."""
+        return None
+
     async def export(self, scope: frozenset[str] | None) -> list[ExportRecord]:
         """The records of this checkpoint, restricted to ``scope`` (capture keys) when given."""
         raise NotImplementedError

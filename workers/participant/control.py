@@ -283,6 +283,7 @@ class ControlPlane:
                     raise _err(ErrorCode.RESTART_IN_SCOPE,
                                f"the scope names restarts, which are never exported: {sorted(restarts)[:10]}")
             if state.export is None:
+                self.participant.check_commit(None if scope is None else frozenset(scope))
                 if not self.participant.ready():
                     state.failed = "readiness regressed after prepare"
                     raise _err(ErrorCode.EXPORT_FAILED, f"checkpoint {cid!r}: {state.failed}; "
