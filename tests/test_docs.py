@@ -49,3 +49,21 @@ def test_example_config_is_valid_and_documents_every_key() -> None:
 def test_readme_gives_the_two_commands() -> None:
     text = (ROOT / "README.md").read_text()
     assert "make run" in text and "make test" in text
+
+
+def _python_block(markdown: Path, heading: str) -> str:
+    text = markdown.read_text()
+    section = text[text.index(heading):]
+    start = section.index("```python\n") + len("```python\n")
+    return section[start:section.index("\n```", start)]
+
+
+def test_the_participant_example_runs(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+    script = tmp_path / "example.py"
+    script.write_text(_python_block(ROOT / "docs" / "participants.md", "## 9. A complete example"))
+    done = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    assert "committed: ['r1']" in done.stdout and "restored: ['r1-a1'] result: 5" in done.stdout
