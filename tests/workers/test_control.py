@@ -590,3 +590,58 @@ async def test_a_restored_record_that_fails_validation_is_a_422_naming_it_and_in
     # Only in-scope records are validated: without 'bad' in scope the same file restores.
     restored = await server.ok("restore", "c2", checkpoint_dir=str(ck), episode_ids=[{"rollout_id": "ok"}])
     assert restored["restored"] == ["ok-a1"] and restored["source_checkpoint_id"] == "c1"
+
+
+async def test_a_restore_whose_close_fails_reopens_and_a_failed_reopen_is_retried_by_resume(
+        make_server: Factory, tmp_path: Path) -> None:
+    server = await make_server()
+    await parked(server, ["r1"])
+    ck = str(tmp_path / "ck")
+    await server.ok("commit", "c1", checkpoint_dir=ck)
+    await server.ok("resume", "c1")
+    env = FaultyEnvironment()
+    fresh = await make_server(env, name="b")
+    env.fail_close = 1
+    status, _ = await fresh.call("restore", "c1", checkpoint_dir=ck, episode_ids=[{"rollout_id": "r1"}])
+    assert status == 500 and env.opens == 1 and not env.steps.closed  # admission reopened
+    assert env.restored_pending() == []
+    env.fail_close, env.fail_open = 1, 1
+    status, _ = await fresh.call("restore", "c2", checkpoint_dir=ck, episode_ids=[{"rollout_id": "r1"}])
+    assert status == 500 and env.steps.closed  # the reopen failed too: it stays pending
+    status, body = await fresh.call("restore", "c3", checkpoint_dir=ck, episode_ids=[{"rollout_id": "r1"}])
+    assert (status, error_code(body)) == (409, "invalid_phase")
+    assert await fresh.ok("resume", "c2") == {"phase": "idle", "idempotent": True}
+    assert not env.steps.closed and env.opens == 3  # the resume retried the pending reopen
+    restored = await fresh.ok("restore", "c3", checkpoint_dir=ck, episode_ids=[{"rollout_id": "r1"}])
+    assert restored["restored"] == ["r1-a1"]
+
+
+async def test_a_retire_after_a_timed_out_restore_waits_for_its_install(make_server: Factory,
+                                                                      tmp_path: Path) -> None:
+    server = await make_server()
+    await parked(server, ["r1"])
+    ck = str(tmp_path / "ck")
+    await server.ok("commit", "c1", checkpoint_dir=ck)
+    await server.ok("resume", "c1")
+
+    class SlowInstall(EnvironmentParticipant):
+        """Injected fault: an install that outlives its restore's deadline."""
+        gate = asyncio.Event()
+
+        async def install(self, records: Any, scope: Any) -> None:
+            await self.gate.wait()
+            await super().install(records, scope)
+    env = SlowInstall("env-0")
+    fresh = await make_server(env, name="b")
+    status, body = await fresh.call("restore", "c1", seconds=0.3, checkpoint_dir=ck,
+                                    episode_ids=[{"rollout_id": "r1"}])
+    assert (status, error_code(body)) == (409, "deadline_exceeded")
+    assert env.steps.closed  # admission stays closed while the install runs
+    retire = asyncio.create_task(fresh.ok("retire", "c1", episode_ids=[{"rollout_id": "r1", "attempt": 1}]))
+    await asyncio.sleep(0.1)
+    assert not retire.done()
+    env.gate.set()
+    assert await retire == {"retired_count": 1}
+    assert env.restored_pending() == []  # the retire freed what the install put in
+    await settle()
+    assert not env.steps.closed  # admission reopened once the install finished
