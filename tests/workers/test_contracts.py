@@ -50,6 +50,7 @@ def threaded_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         ready.set()
         loop.run_forever()
         loop.run_until_complete(runner.cleanup())
+        loop.close()
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()

@@ -58,6 +58,7 @@ replaces (and forgets) the session it had.
 from __future__ import annotations
 
 import asyncio
+import logging
 import heapq
 import itertools
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
@@ -83,6 +84,7 @@ VerifyMode = Literal["wait", "replay"]
 Route = Literal["seed", "data", "verify", "close"]
 
 _RECORD_FIELDS = frozenset({"episode_id", "session_id", "state", "owner"})
+log = logging.getLogger("tidelog.participant")
 
 
 def verify_headers(mode: VerifyMode) -> dict[str, str]:
@@ -183,6 +185,12 @@ class ResourcesParticipant(Participant):
         self._sessions: dict[str, _Session] = {}
         self._by_episode: dict[str, str] = {}  # capture key -> session id
         self._retired: dict[str, str] = {}  # session id -> rollout id, refused until forget
+        self._freeing: set[asyncio.Task[None]] = set()
+
+    def _freed(self, task: asyncio.Task[None]) -> None:
+        self._freeing.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("freeing a replaced resources session failed: %r", task.exception())
 
     # -- data plane -----------------------------------------------------------------------------
 
@@ -261,6 +269,13 @@ class ResourcesParticipant(Participant):
         previous = self._by_episode.get(episode.capture_key)
         if previous is not None and previous != session_id:
             self._unbind(self._sessions[previous])
+            if self.hooks is not None:
+                # The replaced session (often restored state the replacement seeded over) ended:
+                # its state is freed like any ended session's, in the background since binding
+                # happens inside a seed request.
+                task = asyncio.get_running_loop().create_task(self.hooks.retire_session_state(previous))
+                self._freeing.add(task)
+                task.add_done_callback(self._freed)
         self._sessions[session_id] = _Session(session_id, episode, mode, self.instance)
         self._by_episode[episode.capture_key] = session_id
 

@@ -1,0 +1,165 @@
+"""The reference participants as real processes, and a controller's calls to them.
+
+:class:`RefProc` starts ``python -m workers.reference.<kind> --port 0 --state-dir DIR ...``
+with ``TIDELOG_CONTROL_TOKEN`` in its environment, reads the port from its
+``listening on http://127.0.0.1:PORT`` line, and sends its log (stderr) to a file, whose
+tail an error quotes. :class:`Procs` starts them for one test and kills every one it
+started at the end. :func:`start_stack` starts the four servers of the reference task
+wired together; :class:`Controller` calls their checkpoint routes and data planes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from workers.protocol import CONTROL_PREFIX
+
+REPO = Path(__file__).resolve().parents[2]
+TOKEN = "reference-test-token"
+KINDS = ("environment", "model", "agent", "resources")
+
+
+def deadline(seconds: float = 20.0) -> float:
+    return time.time() + seconds
+
+
+class RefProc:
+    """One reference server process."""
+
+    def __init__(self, kind: str, state_dir: Path, args: tuple[str, ...], log: Path,
+                 env: dict[str, str] | None = None) -> None:
+        self.kind, self.state_dir, self.args, self.log = kind, state_dir, args, log
+        self.env = {**os.environ, "TIDELOG_CONTROL_TOKEN": TOKEN} if env is None else env
+        self.proc: subprocess.Popen[str] | None = None
+        self.url = ""
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", f"workers.reference.{self.kind}", "--port", "0",
+                "--state-dir", str(self.state_dir), *self.args]
+
+    def start(self, timeout: float = 30.0) -> RefProc:
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(self.command(), cwd=REPO, env=self.env, stdout=subprocess.PIPE,
+                                         stderr=log, text=True)
+        found = threading.Event()
+        proc = self.proc
+
+        def drain() -> None:  # read the port, then keep the pipe drained until the process exits
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                if not found.is_set() and line.startswith("listening on "):
+                    self.url = line.split()[-1].rstrip("/")
+                    found.set()
+        threading.Thread(target=drain, name=f"drain-{self.kind}", daemon=True).start()
+        end = time.monotonic() + timeout
+        while not found.wait(0.02):
+            if proc.poll() is not None or time.monotonic() > end:
+                self.kill()
+                raise RuntimeError(f"{self.kind} did not start (exit {proc.returncode}):\n{self.log_tail()}")
+        return self
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-chars:]
+        except FileNotFoundError:
+            return ""
+
+    def kill(self) -> None:
+        """SIGKILL, then reap."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+class Procs:
+    """Every process one test started; :meth:`kill_all` ends them (the fixture's finalizer)."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.started: list[RefProc] = []
+        self._n = 0
+
+    def start(self, kind: str, state_dir: Path, *args: str, env: dict[str, str] | None = None) -> RefProc:
+        self._n += 1
+        proc = RefProc(kind, state_dir, args, self.tmp / f"{self._n:02d}-{kind}.log", env)
+        self.started.append(proc)
+        return proc.start()
+
+    async def astart(self, kind: str, state_dir: Path, *args: str) -> RefProc:
+        return await asyncio.to_thread(self.start, kind, state_dir, *args)
+
+    def kill_all(self) -> None:
+        for proc in self.started:
+            proc.kill()
+
+
+@dataclass
+class Stack:
+    """The four servers of the reference task, by kind."""
+
+    procs: dict[str, RefProc]
+
+    def url(self, kind: str) -> str:
+        return self.procs[kind].url
+
+    def kill(self) -> None:
+        for proc in self.procs.values():
+            proc.kill()
+
+
+async def start_stack(procs: Procs, dirs: dict[str, Path], *, env_delay: float = 0.0,
+                      model_delay: float = 0.0) -> Stack:
+    """Model and resources, then the agent (pointed at the model), then the environment."""
+    model, resources = await asyncio.gather(
+        procs.astart("model", dirs["model"], "--step-delay", str(model_delay)),
+        procs.astart("resources", dirs["resources"]))
+    agent = await procs.astart("agent", dirs["agent"], "--model", model.url)
+    env = await procs.astart("environment", dirs["environment"], "--agent", agent.url,
+                             "--resources", resources.url, "--step-delay", str(env_delay))
+    return Stack({"environment": env, "model": model, "agent": agent, "resources": resources})
+
+
+class Controller:
+    """HTTP calls a controller (or a test) makes: checkpoint routes with the bearer, data routes."""
+
+    def __init__(self, http: aiohttp.ClientSession) -> None:
+        self.http = http
+        self.auth = {"Authorization": f"Bearer {TOKEN}"}
+
+    async def status(self, base: str) -> dict[str, Any]:
+        async with self.http.get(f"{base}{CONTROL_PREFIX}/status", headers=self.auth) as resp:
+            assert resp.status == 200, await resp.text()
+            body: dict[str, Any] = await resp.json()
+            return body
+
+    async def control(self, base: str, op: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        async with self.http.post(f"{base}{CONTROL_PREFIX}/{op}", json=body, headers=self.auth) as resp:
+            return resp.status, await resp.json(content_type=None)
+
+    async def ok(self, base: str, op: str, body: dict[str, Any]) -> dict[str, Any]:
+        status, reply = await self.control(base, op, body)
+        assert status == 200, f"{op} on {base}: HTTP {status} {reply}"
+        return reply
+
+    async def post(self, base: str, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        async with self.http.post(f"{base}{path}", json=body) as resp:
+            return resp.status, await resp.json(content_type=None)
+
+    async def run(self, env: str, rollout_id: str, task: dict[str, Any], attempt: int = 0) -> dict[str, Any]:
+        status, reply = await self.post(env, "/run", {"rollout_id": rollout_id, "attempt": attempt, "task": task})
+        assert status == 200, f"/run of {rollout_id} attempt {attempt}: HTTP {status} {reply}"
+        return reply
