@@ -11,6 +11,8 @@
   already answered (its reply was delivered before a crash) is answered from it,
   without asking the model again. A call the model refuses with ``checkpoint_parked``
   is retried until it is admitted.
+- ``POST /ng-rollout/<capture key>/v1/agent_sessions/end`` forgets the finished
+  episode's session and conversation and asks the model to release its ledger.
 
 The conversation is the session state the hooks (:class:`Conversations`) export and
 restore. ``--restart-only`` runs without hooks: every session is a restart. Status
@@ -165,8 +167,32 @@ def build_app(args: argparse.Namespace, token: str) -> web.Application:
         agent.executions.count(episode.capture_key, f"act-{turn}")
         return json_response({"action": action})
 
+    async def end(request: web.Request) -> web.Response:
+        """The episode is over: forget its session and conversation, and have the model free its
+        ledger (retried while a checkpoint holds the model parked). Idempotent."""
+        episode = episode_of(request)
+        agent.check_attempt(episode)
+        key = episode.rollout_id
+        session = agent.get(key)
+        if session is not None and session.episode == episode:
+            agent.end(key)
+            await conversations.retire_session(key)
+        url = f"{model_base}/ng-rollout/{episode.capture_key}/v1/release"
+        while True:
+            async with holder["http"].post(url, json={}) as resp:
+                reply = await resp.json(content_type=None)
+            if resp.status == 200:
+                break
+            code = reply.get("error", {}).get("code") if isinstance(reply, dict) else None
+            if code != ErrorCode.CHECKPOINT_PARKED.value:
+                raise RuntimeError(f"the policy model did not release {episode.capture_key!r}: "
+                                   f"HTTP {resp.status} {reply}")
+            await asyncio.sleep(PARKED_RETRY_S)
+        return json_response({"ended": episode.capture_key})
+
     app.on_startup.append(start)
     app.on_cleanup.append(stop)
+    app.router.add_post(f"{_common.ROLLOUT_PREFIX}/v1/agent_sessions/end", end)
     app.router.add_post(f"{_common.ROLLOUT_PREFIX}/v1/agent_sessions", seed)
     app.router.add_post(f"{_common.ROLLOUT_PREFIX}/v1/act", act)
     return app

@@ -12,7 +12,8 @@ one attempt of an episode and answers ``{"rollout_id", "attempt", "actions",
    and, after a crash, asked again) and ``check`` (wait mode: the resources
    server checks the action, and a checkpoint waits for it);
 3. finally ``verify`` (in the mode the resources server chose) scores the whole
-   episode, and the episode returns.
+   episode; the environment ends the agent session (which frees the model's
+   ledger of the episode) and returns.
 
 Every boundary is ``{"turn", "next", "session_id", "actions", "checks", ...}``; a
 restored attempt continues from its boundary, so no completed step runs again.
@@ -127,6 +128,10 @@ async def run_episode(env: ReferenceEnvironment, down: Downstream, ep: Episode, 
                 env.executions.count(key, "verify")
             state = {**state, "next": "return", "reward": verified["reward"]}
         await ep.boundary(state)
+    # Free the episode's agent session and model ledger. A replay step: it is idempotent, and it
+    # must not block a checkpoint that closes meanwhile (the model refuses releases until resume).
+    async with ep.step("replay"):
+        await down.post(down.agent, key, "v1/agent_sessions/end", {})
     return {"actions": state["actions"], "checks": state["checks"], "reward": state["reward"]}
 
 

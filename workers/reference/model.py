@@ -94,7 +94,15 @@ def build_app(args: argparse.Namespace, token: str) -> web.Application:
         return json_response({"object": "chat.completion", "choices": [
             {"index": 0, "message": {"role": "assistant", "content": action}, "finish_reason": "stop"}]})
 
+    async def release(request: web.Request) -> web.Response:
+        """The episode is over: free its ledger (``checkpoint_parked`` while a checkpoint is open)."""
+        episode = episode_of(request)
+        model.check_attempt(episode)
+        model.release(episode)
+        return json_response({"released": episode.capture_key})
+
     app.router.add_post(COMPLETIONS_PATH, complete)
+    app.router.add_post(f"{_common.ROLLOUT_PREFIX}/v1/release", release)
     return app
 
 

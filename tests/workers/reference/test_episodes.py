@@ -73,6 +73,10 @@ async def test_full_episode_runs_every_step_once(procs: Procs, controller: Contr
         status = await controller.status(stack.url(kind))
         assert status["executions"] == {"whole": {step: 1 for step in steps_of(kind)}}, kind
         assert status["phase"] == "idle" and status["report"]["ready"]
+    # A finished episode leaves nothing behind: its agent session and model ledger are freed.
+    assert (await controller.status(stack.url("agent")))["sessions"] == 0
+    assert (await controller.status(stack.url("model")))["ledgers"] == 0
+    assert (await controller.status(stack.url("resources")))["session_states"] == 0
 
 
 async def until(check: Any, timeout: float = 20.0) -> None:
