@@ -61,6 +61,8 @@ class ErrorCode(str, Enum):
     ROLLOUT_ID_REQUIRED = "rollout_id_required"
     #: A body that is not JSON or does not fit its request model (the detail names the field).
     INVALID_REQUEST = "invalid_request"
+    #: A body larger than the server accepts (its ``client_max_size``).
+    REQUEST_TOO_LARGE = "request_too_large"
 
 
 #: The HTTP status each code is sent with.
@@ -78,6 +80,7 @@ ERROR_STATUS: dict[ErrorCode, int] = {
     ErrorCode.ADMISSION_CLOSED: 409,
     ErrorCode.ROLLOUT_ID_REQUIRED: 400,
     ErrorCode.INVALID_REQUEST: 422,
+    ErrorCode.REQUEST_TOO_LARGE: 413,
 }
 
 

@@ -20,7 +20,7 @@ import pytest
 from tests.support.participant_http import ControlServer, ScriptedEpisode, error_code
 from workers.participant.base import ExportRecord
 from workers.participant.kinds.environment import EnvironmentParticipant
-from workers.protocol import EpisodeId, ProtocolError
+from workers.protocol import EpisodeId, ErrorCode, ProtocolError
 
 Factory = Callable[..., Awaitable[ControlServer]]
 
@@ -645,3 +645,182 @@ async def test_a_retire_after_a_timed_out_restore_waits_for_its_install(make_ser
     assert env.restored_pending() == []  # the retire freed what the install put in
     await settle()
     assert not env.steps.closed  # admission reopened once the install finished
+
+
+# -- regressions found in review ----------------------------------------------------------------
+
+async def test_a_retry_of_a_cut_short_retire_frees_an_episode_whose_task_ended_meanwhile(
+        make_server: Factory) -> None:
+    server = await make_server()
+    env = server.participant
+    assert isinstance(env, EnvironmentParticipant)
+    release = asyncio.Event()
+
+    async def stubborn() -> None:
+        async with env.episode(EpisodeId(rollout_id="r1"), {"t": 1}):
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                await release.wait()
+                raise
+    task = asyncio.create_task(stubborn())
+    await settle()
+    status, _ = await server.call("retire", "x", seconds=0.2, episode_ids=[{"rollout_id": "r1"}])
+    assert status == 409
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert "r1" in env.steps  # ended, but no retire has waited for it yet: still tracked
+    assert await server.ok("retire", "x", episode_ids=[{"rollout_id": "r1"}]) == {"retired_count": 1}
+    assert "r1" not in env.steps and env.steps.blocker_count() == 0
+    assert (await server.ok("prepare", "c1"))["phase"] == "prepared"
+
+
+async def test_a_commit_whose_export_a_resume_cancels_gets_stale_checkpoint(make_server: Factory,
+                                                                            tmp_path: Path) -> None:
+    env = FaultyEnvironment()
+    server = await make_server(env)
+    await parked(server, ["r1"])
+    env.export_gate = asyncio.Event()
+    commit = asyncio.create_task(server.call("commit", "c1", checkpoint_dir=str(tmp_path / "ck")))
+    while env.exports == 0:
+        await asyncio.sleep(0.01)
+    await server.ok("resume", "c1")
+    status, body = await commit
+    assert (status, error_code(body)) == (409, "stale_checkpoint")
+    assert not (tmp_path / "ck").exists()
+
+
+class GatedInstall(EnvironmentParticipant):
+    """Injected fault: an install that waits for the test (and may fail) — outliving its restore."""
+
+    def __init__(self, instance: str = "env-0") -> None:
+        super().__init__(instance)
+        self.gate = asyncio.Event()
+        self.fail = False
+
+    async def install(self, records: Any, scope: Any) -> None:
+        await self.gate.wait()
+        if self.fail:
+            raise RuntimeError("injected install failure")
+        await super().install(records, scope)
+
+
+async def committed_checkpoint(make_server: Factory, tmp_path: Path, names: list[str]) -> str:
+    server = await make_server(name="source")
+    await parked(server, names)
+    ck = str(tmp_path / "ck")
+    await server.ok("commit", "c1", checkpoint_dir=ck)
+    await server.ok("resume", "c1")
+    return ck
+
+
+async def test_resume_waits_for_an_install_that_outlived_its_restore(make_server: Factory, tmp_path: Path) -> None:
+    ck = await committed_checkpoint(make_server, tmp_path, ["r1"])
+    env = GatedInstall()
+    fresh = await make_server(env, name="b")
+    status, body = await fresh.call("restore", "c1", seconds=0.2, checkpoint_dir=ck,
+                                    episode_ids=[{"rollout_id": "r1"}])
+    assert (status, error_code(body)) == (409, "deadline_exceeded")
+    resume = asyncio.create_task(fresh.ok("resume", "c1"))
+    await asyncio.sleep(0.1)
+    assert not resume.done()
+    env.gate.set()
+    assert await resume == {"phase": "idle", "idempotent": True}
+    assert not env.steps.closed and [e.capture_key for e in env.restored_pending()] == ["r1-a1"]
+
+
+async def test_waiting_for_a_failed_install_does_not_fail_the_waiter(make_server: Factory, tmp_path: Path) -> None:
+    ck = await committed_checkpoint(make_server, tmp_path, ["r1"])
+    env = GatedInstall()
+    env.fail = True
+    fresh = await make_server(env, name="b")
+    status, _ = await fresh.call("restore", "c1", seconds=0.2, checkpoint_dir=ck, episode_ids=[{"rollout_id": "r1"}])
+    assert status == 409
+    retire = asyncio.create_task(fresh.call("retire", "c1", episode_ids=[{"rollout_id": "r1", "attempt": 1}]))
+    await asyncio.sleep(0.05)
+    env.gate.set()
+    assert await retire == (200, {"retired_count": 1})
+
+
+async def test_overlapping_restores_are_refused(make_server: Factory, tmp_path: Path) -> None:
+    ck = await committed_checkpoint(make_server, tmp_path, ["r1"])
+    env = GatedInstall()
+    fresh = await make_server(env, name="b")
+    first = asyncio.create_task(fresh.call("restore", "c1", checkpoint_dir=ck, episode_ids=[{"rollout_id": "r1"}]))
+    await asyncio.sleep(0.1)
+    status, body = await fresh.call("restore", "c2", checkpoint_dir=ck, episode_ids=[{"rollout_id": "r1"}])
+    assert (status, error_code(body)) == (409, "checkpoint_conflict")
+    env.gate.set()
+    assert (await first)[0] == 200
+    status, body = await fresh.call("restore", "c1", checkpoint_dir=ck, episode_ids=[])
+    assert (status, error_code(body)) == (409, "checkpoint_conflict")  # completed with another scope
+
+
+async def test_a_restore_refused_for_live_work_marks_nothing_and_a_late_one_still_marks(
+        make_server: Factory, tmp_path: Path) -> None:
+    server = await make_server()
+    env = server.participant
+    assert isinstance(env, EnvironmentParticipant)
+    ScriptedEpisode(env, "live").start()
+    await settle()
+    status, _ = await server.call("restore", "c1", checkpoint_dir=str(tmp_path), episode_ids=[{"rollout_id": "r1"}])
+    assert status == 409
+    assert (await server.status())[1]["retired_rollouts"] == 0
+    fresh = await make_server(EnvironmentParticipant("env-0"), name="b")
+    status, body = await fresh.call("restore", "c1", seconds=-1, checkpoint_dir=str(tmp_path),
+                                    episode_ids=[{"rollout_id": "r1"}])
+    assert (status, error_code(body)) == (409, "deadline_exceeded")
+    assert (await fresh.status())[1]["retired_rollouts"] == 1  # marked even past the deadline
+
+
+async def test_a_resume_that_runs_out_of_time_keeps_the_phase_and_succeeds_on_retry(
+        make_server: Factory, tmp_path: Path) -> None:
+    ck = await committed_checkpoint(make_server, tmp_path, ["r1", "r2"])
+
+    class SlowDelete(EnvironmentParticipant):
+        """Injected fault: deleting unscoped restored state takes until the test says."""
+        gate = asyncio.Event()
+
+        async def delete_restored(self, episode: EpisodeId) -> None:
+            await self.gate.wait()
+            await super().delete_restored(episode)
+    env = SlowDelete("env-0")
+    fresh = await make_server(env, name="b")
+    await fresh.ok("restore", "c1", checkpoint_dir=ck, episode_ids=[{"rollout_id": "r1"}, {"rollout_id": "r2"}])
+    await fresh.ok("resume", "c1")
+    await fresh.ok("prepare", "c2")
+    status, _ = await fresh.call("commit", "c2", seconds=0.2, checkpoint_dir=str(tmp_path / "ck2"),
+                                 episode_ids=[{"rollout_id": "r1", "attempt": 1}])
+    assert status == 409  # the cleanup of r2-a1 outlives the commit
+    status, body = await fresh.call("resume", "c2", seconds=0.2)
+    assert (status, error_code(body)) == (409, "deadline_exceeded")
+    assert await fresh.phase() == "prepared"
+    env.gate.set()
+    assert (await fresh.ok("resume", "c2"))["idempotent"] is False
+    assert [e.capture_key for e in env.restored_pending()] == ["r1-a1"]
+
+
+async def test_a_body_over_the_size_limit_is_a_typed_413(make_server: Factory) -> None:
+    server = await make_server()
+    huge = {"checkpoint_id": "c1", "deadline_ts": 4e9,
+            "episode_ids": [{"rollout_id": f"rollout-{i:07d}"} for i in range(40_000)]}
+    status, body = await server.post("retire", huge)
+    assert (status, error_code(body)) == (413, "request_too_large")
+
+
+async def test_a_typed_error_from_a_retire_hook_stays_typed_and_the_other_stops_still_run(
+        make_server: Factory) -> None:
+    stopped: list[str] = []
+
+    class Refusing(EnvironmentParticipant):
+        """Injected fault: retiring one rollout fails with a typed error."""
+
+        async def retire(self, episode: EpisodeId) -> None:
+            if episode.rollout_id == "bad":
+                raise ProtocolError(ErrorCode.INVALID_PHASE, "cannot stop 'bad' now")
+            await asyncio.sleep(0.05)
+            stopped.append(episode.rollout_id)
+    server = await make_server(Refusing("env-0"))
+    status, body = await server.call("retire", "x", episode_ids=[{"rollout_id": "bad"}, {"rollout_id": "good"}])
+    assert (status, error_code(body)) == (409, "invalid_phase") and stopped == ["good"]

@@ -16,7 +16,8 @@ Contract of the hooks, in the order a checkpoint uses them:
   record)`` pairs. It runs once per checkpoint id, while the participant is
   prepared. A record is a JSON object with an ``episode_id`` field; payloads in
   it were checked with :func:`~workers.participant.storage.check_payload` when
-  they were recorded and are written as they are.
+  they were recorded and are written as they are — by reference, not copied, so
+  a recorded payload must never be changed in place afterwards.
 - :meth:`decode` validates one restored record (only records in scope reach
   it); :meth:`install` installs all of them, or raises and installs nothing.
 - :meth:`retire` stops an attempt and every earlier one, waits for it and frees

@@ -89,6 +89,8 @@ class ControlPlane:
         self._checkpoints: dict[str, _Checkpoint] = {}
         self._install: asyncio.Task[None] | None = None
         self._restore_serial = 0
+        self._restoring = False
+        self._admission_closed = False
         self._reopen_pending = False
         self._lease_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
@@ -170,7 +172,7 @@ class ControlPlane:
                 self.checkpoint_id, self.phase = cid, "preparing"
                 self._renew(req.deadline_ts)
                 try:
-                    await self.participant.close_admission()
+                    await self._close()
                 except BaseException:
                     await self._reopen(None, fence=False)
                     raise
@@ -185,8 +187,9 @@ class ControlPlane:
             raise
         async with self._lock:
             if self.checkpoint_id != cid:
-                # A resume or lease expiry ended this checkpoint while we waited.
-                return PrepareReply(phase=self.phase, report=self.participant.readiness())
+                # A resume or lease expiry ended this checkpoint while we waited: for this id the
+                # participant went back to idle, whatever checkpoint may be active by now.
+                return PrepareReply(phase="idle", report=self.participant.readiness())
             if self.phase == "preparing" and self.participant.ready():
                 self.phase = "prepared"
             reply = PrepareReply(phase=self.phase, report=self.participant.readiness())
@@ -230,7 +233,7 @@ class ControlPlane:
                     latest[episode.rollout_id] = episode
             install = self._install
         if install is not None and not install.done():
-            await self._within(req.deadline_ts, "retire (waiting for an install)", asyncio.shield(install))
+            await self._within(req.deadline_ts, "retire (waiting for an install)", asyncio.wait({install}))
         await self._within(req.deadline_ts, "retire", self._stop_all(list(latest.values()),
                                                                      self.participant.retire))
         self.notify()
@@ -238,15 +241,20 @@ class ControlPlane:
 
     @staticmethod
     async def _stop_all(episodes: list[EpisodeId], stop: Callable[[EpisodeId], Awaitable[None]]) -> None:
-        """Run ``stop`` on every episode, at most :data:`RETIRE_CONCURRENCY` at once."""
+        """Run ``stop`` on every episode, at most :data:`RETIRE_CONCURRENCY` at once.
+
+        One failure does not cancel the others (each must still stop); after all have ended the
+        first failure is raised as it is, so a typed error stays typed.
+        """
         gate = asyncio.Semaphore(RETIRE_CONCURRENCY)
 
         async def one(episode: EpisodeId) -> None:
             async with gate:
                 await stop(episode)
-        async with asyncio.TaskGroup() as group:
-            for episode in episodes:
-                group.create_task(one(episode))
+        outcomes = await asyncio.gather(*(one(e) for e in episodes), return_exceptions=True)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
 
     async def forget(self, req: ForgetRequest) -> ForgetReply:
         async with self._lock:
@@ -291,7 +299,24 @@ class ControlPlane:
                 state.args = args
                 state.export = self._spawn(self.participant.export(None if scope is None else frozenset(scope)),
                                            f"export-{cid}")
-        export = state.export
+        assert state.export is not None
+        try:
+            return await self._commit_work(req, state, state.export, args)
+        except (asyncio.CancelledError, storage.WriteStopped):
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # this call itself is being cancelled
+            # A resume (or lease expiry) cancelled the export or stopped the write under us.
+            raise _err(ErrorCode.STALE_CHECKPOINT, f"checkpoint {cid!r} was resumed while its commit ran"
+                       ) from None
+
+    async def _commit_work(self, req: CommitRequest, state: _Checkpoint,
+                           export: asyncio.Task[list[ExportRecord]],
+                           args: tuple[str, tuple[str, ...] | None]) -> CommitReply:
+        """Await the export, then the write, then the cleanup — each a task this checkpoint owns —
+        re-checking under the lock between them that the checkpoint is still the active one."""
+        cid = req.checkpoint_id
+        scope = args[1]
         try:
             records = await self._within(req.deadline_ts, "commit (export)", asyncio.shield(export))
         except ProtocolError:
@@ -343,14 +368,25 @@ class ControlPlane:
             self._admit(cid, ("idle",), "restore")
             if self.checkpoint_id is not None or self._reopen_pending:
                 raise _err(ErrorCode.INVALID_PHASE, "restore needs an idle participant with admission open")
+            if self._restoring:
+                raise _err(ErrorCode.CHECKPOINT_CONFLICT, "another restore is under way on this participant")
+            self.participant.check_restorable()
             # The replaced attempts are refused before any work the deadline limits.
             self.marks.mark(req.episode_ids)
             self._remaining(req.deadline_ts, "restore")
-            self.participant.check_restorable()
+            self._restoring = True
             self._restore_serial += 1
             serial = self._restore_serial
-            previous_install = self._install
-        wanted = frozenset(scope)
+        try:
+            return await self._restore_work(req, args, serial)
+        finally:
+            self._restoring = False
+
+    async def _restore_work(self, req: RestoreRequest, args: tuple[str, tuple[str, ...]], serial: int
+                            ) -> RestoreReply:
+        """Read and verify (in a thread), wait for an earlier install, close admission, install."""
+        cid = req.checkpoint_id
+        wanted = frozenset(args[1])
         participant = self.participant
 
         def select(record: dict[str, Any]) -> Any | None:
@@ -367,13 +403,15 @@ class ControlPlane:
 
         manifest, records = await self._within(req.deadline_ts, "restore (read)", asyncio.to_thread(
             storage.read_records, req.checkpoint_dir, participant.kind, participant.instance, select))
+        previous_install = self._install
         if previous_install is not None and not previous_install.done():
+            # Only wait: the earlier install's own failure is not this restore's.
             await self._within(req.deadline_ts, "restore (waiting for an earlier install)",
-                               asyncio.shield(previous_install))
+                               asyncio.wait({previous_install}))
         async with self._lock:
             self._admit(cid, ("idle",), "restore")
             try:
-                await participant.close_admission()
+                await self._close()
             except BaseException:
                 await self._open_or_pend()
                 raise
@@ -401,14 +439,18 @@ class ControlPlane:
 
     async def _reopen_after_install(self, serial: int) -> None:
         async with self._lock:
-            if serial == self._restore_serial and self.checkpoint_id is None:
+            if serial == self._restore_serial and self.checkpoint_id is None and self._admission_closed:
                 await self._open_or_pend()
+
+    async def _close(self) -> None:
+        self._admission_closed = True
+        await self.participant.close_admission()
 
     async def _open_or_pend(self) -> None:
         """Open admission; if that fails, remember it so the next resume retries."""
         try:
             await self.participant.open_admission()
-            self._reopen_pending = False
+            self._reopen_pending = self._admission_closed = False
         except BaseException:
             self._reopen_pending = True
             raise
@@ -420,13 +462,17 @@ class ControlPlane:
     async def resume(self, req: ResumeRequest) -> ResumeReply:
         cid = req.checkpoint_id
         async with self._lock:
-            if cid in self._fenced:
-                return ResumeReply(phase="idle", idempotent=True)
             if self.checkpoint_id is None:
-                if self._reopen_pending:
+                install = self._install
+                if install is not None and not install.done():
+                    # An install outlived its (failed) restore: admission reopens after it.
+                    await self._within(req.deadline_ts, "resume (waiting for an install)", asyncio.wait({install}))
+                if self._reopen_pending or self._admission_closed:
                     await self._open_or_pend()
                 # Fence an id this participant never saw, so its late prepare is refused.
                 self._fence(cid)
+                return ResumeReply(phase="idle", idempotent=True)
+            if cid in self._fenced:
                 return ResumeReply(phase="idle", idempotent=True)
             if self.checkpoint_id != cid:
                 raise _err(ErrorCode.CHECKPOINT_CONFLICT,

@@ -26,6 +26,9 @@ from .control import ControlPlane
 log = logging.getLogger("tidelog.participant")
 
 CONTROL_KEY: web.AppKey[ControlPlane] = web.AppKey("tidelog_checkpoint_control", ControlPlane)
+#: A commit or restore scope names every continued episode (~50 bytes each): aiohttp's default
+#: 1 MiB body limit stops near 20,000 episodes, so participant applications should allow this much.
+CONTROL_MAX_SIZE = 64 * 1024 * 1024
 
 
 class CheckpointSettings(BaseModel):
@@ -60,7 +63,11 @@ def _validation_detail(exc: ValidationError) -> str:
 
 
 def mount(app: web.Application, control: ControlPlane, *, token: str, prefix: str = CONTROL_PREFIX) -> None:
-    """Install the checkpoint routes for ``control`` on ``app``, guarded by ``token``."""
+    """Install the checkpoint routes for ``control`` on ``app``, guarded by ``token``.
+
+    Build ``app`` with ``client_max_size=CONTROL_MAX_SIZE`` (or more) so large scopes fit; a body
+    over the limit is answered 413 ``request_too_large``, never an untyped error.
+    """
     if not token:
         raise ValueError("the checkpoint control token must not be empty")
     expected = f"Bearer {token}".encode()
@@ -80,7 +87,12 @@ def mount(app: web.Application, control: ControlPlane, *, token: str, prefix: st
         async def handler(request: web.Request) -> web.Response:
             if not authorized(request):
                 return _error(ErrorCode.UNAUTHORIZED, "missing or wrong bearer token")
-            raw = await request.read()
+            try:
+                raw = await request.read()
+            except web.HTTPRequestEntityTooLarge:
+                return _error(ErrorCode.REQUEST_TOO_LARGE,
+                              f"the {op} body is larger than this server accepts; build its application "
+                              f"with client_max_size of at least {CONTROL_MAX_SIZE} bytes")
             try:
                 body = orjson.loads(raw)
             except orjson.JSONDecodeError:

@@ -23,6 +23,7 @@ import orjson
 from aiohttp import web
 
 from ..participant import ControlPlane, Participant, mount
+from ..participant.routes import CONTROL_MAX_SIZE
 from ..protocol import EpisodeId, ErrorCode, ProtocolError
 
 TOKEN_ENV = "TIDELOG_CONTROL_TOKEN"
@@ -69,7 +70,7 @@ def build(participant: Participant, args: argparse.Namespace, token: str) -> web
     if args.lease_grace_seconds <= 0:
         raise SystemExit(f"--lease-grace-seconds must be > 0, not {args.lease_grace_seconds}")
     control = ControlPlane(participant, state_dir=args.state_dir, lease_grace_seconds=args.lease_grace_seconds)
-    app = web.Application(middlewares=[protocol_errors])
+    app = web.Application(middlewares=[protocol_errors], client_max_size=CONTROL_MAX_SIZE)
     mount(app, control, token=token)
     return app
 

@@ -120,7 +120,10 @@ class EnvironmentParticipant(Participant):
                 yield Episode(self, episode, continuation)
         finally:
             self.steps.end(key)
-            self._drop_live(key, episode.rollout_id)
+            # A retired episode stays tracked (and blocking) until a retire has waited for it;
+            # that retire, maybe a retry after this task ended, finds it through the index.
+            if key not in self.steps:
+                self._drop_live(key, episode.rollout_id)
 
     def _drop_live(self, key: str, rollout_id: str) -> None:
         self._live.pop(key, None)
