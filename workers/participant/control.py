@@ -402,7 +402,7 @@ class ControlPlane:
                 raise storage.invalid(f"checkpoint record of episode {key!r} is invalid: {exc}") from None
 
         manifest, records = await self._within(req.deadline_ts, "restore (read)", asyncio.to_thread(
-            storage.read_records, req.checkpoint_dir, participant.kind, participant.instance, select))
+            storage.read_records, req.checkpoint_dir, participant.kind, participant.instance, select, keys=wanted))
         previous_install = self._install
         if previous_install is not None and not previous_install.done():
             # Only wait: the earlier install's own failure is not this restore's.

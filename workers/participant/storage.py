@@ -4,38 +4,58 @@ Layout: ``<checkpoint_dir>/gym/<kind>/<instance>/records-<sha256>.jsonl`` and
 ``manifest.json`` beside it.
 
 Writing (:func:`write_records`): records are encoded one at a time
-(``json.dumps`` without sorting, so dict key order, NaN, infinities and
+(:func:`encode_record`: orjson where that is provably exact, else the stdlib
+``json.dumps`` without sorting, so dict key order, NaN, infinities and
 integers of any size survive) into a temporary file while its SHA-256 is
-computed; the file is fsynced and renamed to ``records-<sha256>.jsonl``; the
-directory and every parent up to the checkpoint directory are fsynced; then
-``manifest.json`` is created by a hard link from a fsynced temporary file —
-a link never replaces, so one commit wins. A retry that finds the identical
-manifest returns it; a different one is refused.
+computed (hashing and writing overlap the encoding in a second thread); the
+file is fsynced. Then, under the :class:`WriteStop` lock when one is given
+(a last stop check first), the file is renamed to ``records-<sha256>.jsonl``;
+the directory and every parent up to the checkpoint directory are fsynced;
+then ``manifest.json`` is created by a hard link from a fsynced temporary
+file — a link never replaces, so one commit wins — and the directory is
+fsynced. A retry that finds the identical manifest fsyncs the directory and
+returns it; a different one is refused.
 
 Reading (:func:`read_records`): the manifest is validated field by field; the
-records file is streamed, every line hashed and counted, and only the records
-``select`` keeps are held in memory; the digest and count must match the
-manifest for the whole file. Every problem — storage, manifest or record —
-is :class:`ProtocolError` ``invalid_checkpoint_state`` (HTTP 422), never an
+records file is streamed, every line hashed and counted, and parsed (orjson where
+that is provably exact, else ``json.loads``) unless its prefix names an episode
+the restore does not keep; only the records ``select`` keeps are held in memory; the digest and count must match the manifest for the
+whole file. Every problem — storage, manifest or record — is
+:class:`ProtocolError` ``invalid_checkpoint_state`` (HTTP 422), never an
 unexpected exception.
+
+Both hold the cyclic garbage collector off while they run (:data:`_gc_paused`,
+process-wide, so other threads' cyclic garbage waits too): parsed records are
+trees, and a restore that keeps millions of new objects would otherwise pay
+for the collector rescanning them again and again (most of the 16 s restore
+before). The collector's first pass over what a restore keeps then runs once,
+when it is turned back on.
 
 These functions block; participants run them in a worker thread.
 """
 
 from __future__ import annotations
 
+import collections
+import gc
 import hashlib
 import json
 import os
 import re
 import tempfile
-from collections.abc import Callable, Iterable
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
-import orjson
 
-from ..protocol import ID_PATTERN, ErrorCode, ProtocolError
+from ..protocol import ID_PATTERN
+from .codec import check_payload, decode_line, encode_record, invalid, line_key
+
+__all__ = ["MANIFEST", "SCHEMA_VERSION", "WriteStop", "WriteStopped", "check_payload", "encode_record", "invalid",
+           "participant_dir", "read_records", "validate_manifest", "write_records"]
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -43,47 +63,73 @@ RECORDS_FILE = re.compile(r"^records(-[0-9a-f]{64})?\.jsonl$")
 _NAME = re.compile(ID_PATTERN)
 
 
-def invalid(detail: str) -> ProtocolError:
-    return ProtocolError(ErrorCode.INVALID_CHECKPOINT_STATE, detail)
+# -- stopping a write ----------------------------------------------------------------------------
+
+class WriteStopped(Exception):
+    """A records write ended by :meth:`WriteStop.stop`: no manifest was published, no file left."""
 
 
-# -- payloads ------------------------------------------------------------------------------------
+class WriteStop:
+    """Lets a resume stop a records writer running in a thread.
 
-def _plain(value: Any) -> bool:
-    if value is None or isinstance(value, str | bool | int | float):
-        return True
-    if isinstance(value, list | tuple):
-        return all(_plain(v) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
-    return False
-
-
-def check_payload(value: Any) -> None:
-    """Refuse a value that is not JSON: orjson first, then a plain-JSON walk (str keys only).
-
-    Some values orjson accepts (a datetime, a UUID) pass here and then fail the
-    commit that tries to write them, naming the episode (:func:`encode_record`).
+    The writer checks before each record, and its last check, the rename of its
+    records file and the manifest's creation run under one lock that
+    :meth:`stop` takes, so no manifest appears once :meth:`stop` has returned.
+    :meth:`stop` blocks while a manifest is being published; callers on an event
+    loop run it in a thread.
     """
-    try:
-        orjson.dumps(value)
-        return
-    except TypeError:
-        pass
-    try:
-        if _plain(value):
-            return
-    except RecursionError:
-        pass
-    raise ValueError("checkpoint payload is not JSON")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stopped = False
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
+    def check(self) -> None:
+        """Raise :class:`WriteStopped` once :meth:`stop` has been called."""
+        if self._stopped:
+            raise WriteStopped("the checkpoint write was stopped")
+
+    def stop(self) -> None:
+        """Stop the write; waits for a manifest publication under way to finish."""
+        with self._lock:
+            self._stopped = True
 
 
-def encode_record(record: dict[str, Any], episode: str) -> bytes:
-    """One line of the records file, or ``invalid_checkpoint_state`` naming the episode."""
-    try:
-        return (json.dumps(record, ensure_ascii=False) + "\n").encode()
-    except (TypeError, ValueError, RecursionError) as exc:
-        raise invalid(f"checkpoint record of episode {episode!r} is not JSON: {exc}") from None
+# -- the cyclic garbage collector ----------------------------------------------------------------
+
+class _GcPause:
+    """Process-wide: the collector is off while any storage call runs, and restored after the last.
+
+    A counter (not a saved flag per call) so that two overlapping calls in two
+    threads do not turn the collector back on under each other, and a collector
+    someone else disabled stays disabled.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holders = 0
+        self._was_enabled = False
+
+    @contextmanager
+    def __call__(self) -> Iterator[None]:
+        with self._lock:
+            if self._holders == 0:
+                self._was_enabled = gc.isenabled()
+                gc.disable()
+            self._holders += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._holders -= 1
+                if self._holders == 0 and self._was_enabled:
+                    gc.enable()
+
+
+_gc_paused = _GcPause()
 
 
 # -- paths and durability ------------------------------------------------------------------------
@@ -115,13 +161,85 @@ def _fsync_up_to(directory: Path, top: Path) -> None:
 
 # -- writing -------------------------------------------------------------------------------------
 
+#: Lines go to the writing thread joined in batches of about this many bytes, at most
+#: :data:`_WRITE_AHEAD` batches ahead: a commit holds a few MB, never the file.
+_WRITE_BATCH = 4 << 20
+_WRITE_AHEAD = 2
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """``os.write`` until every byte is written (a write may be short)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+class _Sink:
+    """Joins lines into batches that a second thread hashes and writes, in order.
+
+    ``hashlib`` and file writes release the GIL, so hashing and writing (which
+    on these VMs is mostly the kernel finding page-cache pages) overlap the
+    encoding in the caller's thread; the join is one memcpy, cheap next to
+    them. The batches are large because the second thread needs the GIL back
+    a few times a batch, and while the caller runs long C calls (pickle,
+    orjson) each time can take up to the switch interval (5 ms).
+    :meth:`close` waits for every batch and re-raises the first error.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.digest = hashlib.sha256()
+        self.count = 0
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="records-writer")
+        self._pending: collections.deque[Future[None]] = collections.deque()
+        self._batch: list[bytes] = []
+        self._size = 0
+
+    def add(self, line: bytes) -> None:
+        self._batch.append(line)
+        self._size += len(line)
+        self.count += 1
+        if self._size >= _WRITE_BATCH:
+            self._submit()
+
+    def _hash_write(self, data: bytes) -> None:
+        self.digest.update(data)
+        _write_all(self.fd, data)
+
+    def _submit(self) -> None:
+        if self._batch:
+            while len(self._pending) >= _WRITE_AHEAD:
+                self._pending.popleft().result()
+            self._pending.append(self._pool.submit(self._hash_write, b"".join(self._batch)))
+            self._batch, self._size = [], 0
+
+    def close(self) -> None:
+        """Write what is left and wait; raise the first error of the thread."""
+        try:
+            self._submit()
+            while self._pending:
+                self._pending.popleft().result()
+        finally:
+            self.abandon()
+
+    def abandon(self) -> None:
+        """Wait for the thread without raising (the caller is failing already)."""
+        for future in self._pending:
+            future.exception()
+        self._pending.clear()
+        self._pool.shutdown(wait=True)
+
+
 def write_records(checkpoint_dir: str | os.PathLike[str], kind: str, instance: str, checkpoint_id: str,
-                  records: Iterable[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+                  records: Iterable[tuple[str, dict[str, Any]]], *,
+                  stop: WriteStop | None = None) -> dict[str, Any]:
     """Write ``(episode key, record)`` pairs and publish the manifest; return the manifest.
 
     Idempotent for the same records; ``invalid_checkpoint_state`` for a
     different commit into the same directory, an unwritable directory, or a
-    record that cannot be written.
+    record that cannot be written. With ``stop``, :class:`WriteStopped` once it
+    is stopped: before each record, and a last time under its lock, which also
+    covers the rename of the records file and the manifest's creation.
     """
     top = Path(checkpoint_dir)
     directory = participant_dir(top, kind, instance)
@@ -133,25 +251,35 @@ def write_records(checkpoint_dir: str | os.PathLike[str], kind: str, instance: s
     try:
         fd, raw_tmp = tempfile.mkstemp(dir=directory, prefix=".records.jsonl.")
         tmp_path = Path(raw_tmp)
-        digest = hashlib.sha256()
-        count = 0
-        with os.fdopen(fd, "wb") as out:
-            for episode, record in records:
-                line = encode_record(record, episode)
-                digest.update(line)
-                out.write(line)
-                count += 1
-            out.flush()
-            os.fsync(out.fileno())
-        records_file = f"records-{digest.hexdigest()}.jsonl"
+        try:
+            with _gc_paused():
+                sink = _Sink(fd)
+                try:
+                    for episode, record in records:
+                        if stop is not None:
+                            stop.check()
+                        sink.add(encode_record(record, episode))
+                except BaseException:
+                    sink.abandon()
+                    raise
+                sink.close()
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        digest = sink.digest.hexdigest()
+        records_file = f"records-{digest}.jsonl"
         manifest = {"schema_version": SCHEMA_VERSION, "kind": kind, "instance": instance,
                     "checkpoint_id": checkpoint_id, "records_file": records_file,
-                    "records_sha256": digest.hexdigest(), "record_count": count}
-        os.replace(tmp_path, directory / records_file)
-        tmp_path = None
-        # Every directory on the way down must be durable before the manifest says "done".
-        _fsync_up_to(directory, top)
-        return _publish(directory, manifest)
+                    "records_sha256": digest, "record_count": sink.count}
+        guard: AbstractContextManager[Any] = nullcontext() if stop is None else stop._lock
+        with guard:
+            if stop is not None:
+                stop.check()
+            os.replace(tmp_path, directory / records_file)
+            tmp_path = None
+            # Every directory on the way down must be durable before the manifest says "done".
+            _fsync_up_to(directory, top)
+            return _publish(directory, manifest)
     except OSError as exc:
         raise invalid(f"cannot write checkpoint state under {directory}: {exc.strerror or exc}") from None
     finally:
@@ -177,6 +305,7 @@ def _publish(directory: Path, manifest: dict[str, Any]) -> dict[str, Any]:
                     (directory / manifest["records_file"]).unlink(missing_ok=True)
                 raise invalid(f"{directory} already holds a different commit "
                               f"(checkpoint {existing.get('checkpoint_id')!r})") from None
+        # Also on a retry that found its manifest: the write that linked it may have failed here.
         _fsync_dir(directory)
         return manifest
     finally:
@@ -200,28 +329,6 @@ def _load_manifest(directory: Path) -> dict[str, Any]:
     return manifest
 
 
-#: A run of 19+ digits may be an integer beyond 64 bits, which orjson would read as a float.
-_LONG_NUMBER = re.compile(rb"[0-9]{19}")
-
-
-def _decode_line(line: bytes, number: int, name: str) -> Any:
-    """Parse one records line exactly: orjson when that is provably exact, else the stdlib.
-
-    orjson refuses NaN and Infinity tokens (so such lines fall back) and reads
-    integers beyond 64 bits as floats, so it is used only on lines without a run
-    of 19 or more digits; everything else goes through ``json.loads``.
-    """
-    if not _LONG_NUMBER.search(line):
-        try:
-            return orjson.loads(line)
-        except orjson.JSONDecodeError:
-            pass
-    try:
-        return json.loads(line)
-    except ValueError:
-        raise invalid(f"line {number} of {name} is not JSON") from None
-
-
 def validate_manifest(manifest: dict[str, Any], kind: str, instance: str) -> None:
     """Refuse a manifest that is not exactly what :func:`write_records` publishes."""
     fields: dict[str, type | tuple[type, ...]] = {
@@ -243,9 +350,21 @@ def validate_manifest(manifest: dict[str, Any], kind: str, instance: str) -> Non
         raise invalid("manifest record_count is negative")
 
 
+#: Read buffer of the records file: big enough that a long line takes few reads, small next to a record.
+_READ_BUFFER = 256 * 1024
+
+
 def read_records(checkpoint_dir: str | os.PathLike[str], kind: str, instance: str,
-                 select: Callable[[dict[str, Any]], Any | None]) -> tuple[dict[str, Any], list[Any]]:
-    """Stream and verify the whole records file; keep what ``select`` returns (not ``None``)."""
+                 select: Callable[[dict[str, Any]], Any | None], *,
+                 keys: frozenset[str] | None = None) -> tuple[dict[str, Any], list[Any]]:
+    """Stream and verify the whole records file; keep what ``select`` returns (not ``None``).
+
+    With ``keys`` (the capture keys a restore keeps), a line whose prefix names an episode outside
+    them (:func:`~.codec.line_key`) is hashed and counted but not parsed, since ``select`` would
+    drop it; lines of any other form are parsed and given to ``select``. The digest and count
+    always cover the whole file. Holds one line, its parsed record and the records kept, never the
+    file.
+    """
     directory = participant_dir(checkpoint_dir, kind, instance)
     manifest = _load_manifest(directory)
     validate_manifest(manifest, kind, instance)
@@ -254,16 +373,23 @@ def read_records(checkpoint_dir: str | os.PathLike[str], kind: str, instance: st
     count = 0
     kept: list[Any] = []
     try:
-        with open(path, "rb") as src:
+        with open(path, "rb", buffering=_READ_BUFFER) as src, _gc_paused():
             for line in src:
                 digest.update(line)
                 count += 1
-                record = _decode_line(line, count, path.name)
+                if keys is not None:
+                    key = line_key(line)
+                    if key is not None and key not in keys:
+                        continue
+                record = decode_line(line, count, path.name)
+                del line  # before select: what it keeps may be all the memory there is
                 if not isinstance(record, dict):
                     raise invalid(f"line {count} of {path.name} is not a JSON object")
                 chosen = select(record)
+                del record
                 if chosen is not None:
                     kept.append(chosen)
+                del chosen
     except OSError as exc:
         raise invalid(f"cannot read {path}: {exc.strerror or exc}") from None
     if digest.hexdigest() != manifest["records_sha256"]:
