@@ -22,11 +22,12 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from tests.support.checkpoints import CORRUPT_MANIFESTS, corrupt_manifest
 from tests.support.participant_http import TOKEN, ControlServer, ScriptedEpisode, error_code
 from workers.participant.control import ControlPlane
 from workers.participant.kinds.environment import EnvironmentParticipant
 from workers.participant.routes import mount
-from workers.participant.storage import MANIFEST, participant_dir
+from workers.participant.storage import participant_dir
 from workers.protocol import CONTROL_PREFIX, REQUEST_MODELS
 
 # -- malformed bodies ---------------------------------------------------------------------------
@@ -136,27 +137,6 @@ async def pair(tmp_path: Path) -> AsyncIterator[tuple[ControlServer, ControlServ
     await fresh.stop()
 
 
-def corrupt(directory: Path, manifest: dict[str, Any], how: str) -> None:
-    path = directory / MANIFEST
-    path.unlink()
-    if how == "not json":
-        path.write_text("{not json")
-        return
-    if how == "not an object":
-        path.write_text("[]")
-        return
-    m = dict(manifest)
-    if how == "missing file":
-        m["records_file"] = "records-" + "0" * 64 + ".jsonl"
-    elif how.startswith("missing "):
-        del m[how.removeprefix("missing ")]
-    elif how == "outside":
-        m["records_file"] = "../../../outside.jsonl"
-    elif how == "count is a string":
-        m["record_count"] = "1"
-    path.write_text(json.dumps(m))
-
-
 async def assert_refused_and_open(fresh: ControlServer, status: int, body: dict[str, Any]) -> None:
     assert (status, error_code(body)) == (422, "invalid_checkpoint_state"), body
     _, st_body = await fresh.status()
@@ -168,12 +148,11 @@ async def assert_refused_and_open(fresh: ControlServer, status: int, body: dict[
     await env.retire(probe.id)
 
 
-@pytest.mark.parametrize("how", ["not json", "not an object", "missing records_file", "missing records_sha256",
-                                 "outside", "missing file", "count is a string", "missing checkpoint_id"])
+@pytest.mark.parametrize("how", CORRUPT_MANIFESTS)
 async def test_every_corrupt_manifest_is_a_422_with_nothing_installed(
         pair: tuple[ControlServer, ControlServer, dict[str, Any]], tmp_path: Path, how: str) -> None:
     _, fresh, manifest = pair
-    corrupt(participant_dir(tmp_path / "ck", "environment", "env-0"), manifest, how)
+    corrupt_manifest(participant_dir(tmp_path / "ck", "environment", "env-0"), manifest, how)
     status, body = await fresh.call("restore", "c1", checkpoint_dir=str(tmp_path / "ck"),
                                     episode_ids=[{"rollout_id": "r1"}])
     await assert_refused_and_open(fresh, status, body)

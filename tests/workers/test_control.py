@@ -824,3 +824,20 @@ async def test_a_typed_error_from_a_retire_hook_stays_typed_and_the_other_stops_
     server = await make_server(Refusing("env-0"))
     status, body = await server.call("retire", "x", episode_ids=[{"rollout_id": "bad"}, {"rollout_id": "good"}])
     assert (status, error_code(body)) == (409, "invalid_phase") and stopped == ["good"]
+
+
+def test_a_participant_must_implement_every_abstract_hook_and_name_a_known_kind() -> None:
+    from workers.participant.base import Participant
+
+    class Incomplete(Participant):
+        kind = "environment"
+
+        def ready(self) -> bool:
+            return True
+    with pytest.raises(TypeError, match="abstract"):
+        Incomplete("x")  # type: ignore[abstract]
+
+    class Unknown(EnvironmentParticipant):
+        kind = "judge"  # type: ignore[assignment]
+    with pytest.raises(TypeError, match="kind must be one of"):
+        Unknown("x")

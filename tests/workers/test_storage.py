@@ -23,6 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.support.checkpoints import CORRUPT_MANIFESTS, corrupt_manifest
 from workers.participant import storage
 from workers.participant.storage import (
     MANIFEST,
@@ -105,33 +106,12 @@ def test_payloads_that_are_not_json_are_refused(value: Any) -> None:
         check_payload(value)
 
 
-def _corrupt(directory: Path, manifest: dict[str, Any], how: str) -> None:
-    path = directory / MANIFEST
-    if how == "not json":
-        path.write_text("{not json")
-        return
-    if how == "not an object":
-        path.write_text("[]")
-        return
-    m = dict(manifest)
-    if how == "missing file":
-        m["records_file"] = "records-" + "0" * 64 + ".jsonl"
-    elif how.startswith("missing "):
-        del m[how.removeprefix("missing ")]
-    elif how == "outside":
-        m["records_file"] = "../../../outside.jsonl"
-    elif how == "count is a string":
-        m["record_count"] = "2"
-    path.write_text(json.dumps(m))
-
-
-@pytest.mark.parametrize("how", ["not json", "not an object", "missing records_file", "missing records_sha256",
-                                 "outside", "missing file", "count is a string", "missing checkpoint_id"])
+@pytest.mark.parametrize("how", CORRUPT_MANIFESTS)
 def test_every_corrupt_manifest_is_a_typed_422(tmp_path: Path, how: str) -> None:
     manifest = write_records(tmp_path, KIND, INSTANCE, "ck-1", records([1, 2]))
     directory = participant_dir(tmp_path, KIND, INSTANCE)
     (directory / MANIFEST).unlink()
-    _corrupt(directory, manifest, how)
+    corrupt_manifest(directory, manifest, how)
     with pytest.raises(ProtocolError) as info:
         read_records(tmp_path, KIND, INSTANCE, keep_all)
     assert info.value.status == 422 and info.value.code is ErrorCode.INVALID_CHECKPOINT_STATE

@@ -26,6 +26,7 @@ Contract of the hooks, in the order a checkpoint uses them:
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
@@ -36,8 +37,12 @@ from .marks import RetiredMarks
 ExportRecord = tuple[str, dict[str, Any]]
 
 
-class Participant:
-    """One checkpoint participant of a server: the hooks, with fail-closed defaults."""
+class Participant(abc.ABC):
+    """One checkpoint participant of a server: the hooks.
+
+    The six abstract hooks (admission, ``ready``, ``export``, ``install``, ``retire``) must be
+    implemented — a subclass missing one cannot be instantiated; the others have defaults.
+    """
 
     kind: ClassVar[str] = ""
 
@@ -61,17 +66,17 @@ class Participant:
 
     # -- admission and readiness ----------------------------------------------------------------
 
+    @abc.abstractmethod
     async def close_admission(self) -> None:
         """Stop admitting new work until :meth:`open_admission` (called from idle)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     async def open_admission(self) -> None:
         """Admit work again. Idempotent."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def ready(self) -> bool:
         """Whether nothing blocks a checkpoint now. Cheap: called on every wake-up of a prepare."""
-        raise NotImplementedError
 
     def readiness(self) -> PrepareReport:
         """The report sent with a prepare reply and status: blockers (at most 100), counts, restarts."""
@@ -84,9 +89,9 @@ class Participant:
         a refusal here pins nothing, so the controller may retry the same id with other ones."""
         return None
 
+    @abc.abstractmethod
     async def export(self, scope: frozenset[str] | None) -> list[ExportRecord]:
         """The records of this checkpoint, restricted to ``scope`` (capture keys) when given."""
-        raise NotImplementedError
 
     def restarts(self) -> list[str]:
         """Capture keys of live episodes this participant cannot save (never exported)."""
@@ -124,19 +129,19 @@ class Participant:
         """
         return record
 
+    @abc.abstractmethod
     async def install(self, records: Sequence[Any], scope: Sequence[EpisodeId]) -> None:
         """Install every decoded record; ``scope`` names every checkpointed episode the restore
         continues, including ones without a record here. All or nothing."""
-        raise NotImplementedError
 
     # -- retire and forget ----------------------------------------------------------------------
 
+    @abc.abstractmethod
     async def retire(self, episode: EpisodeId) -> None:
         """Stop ``episode`` and every earlier attempt of its rollout, wait for them, free them.
 
         If cut short the episode must stay tracked (and blocking), so a retry waits again.
         """
-        raise NotImplementedError
 
     def forget(self, rollout_ids: Iterable[str]) -> None:
         """The controller is done with these rollouts for good (their marks are gone)."""
