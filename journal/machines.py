@@ -118,3 +118,77 @@ RPC_CALLS = StateMachine.build(
     },
     terminal=["succeeded", "failed"],
 )
+
+# -- the checkpoint workflows (docs/checkpointing.md) ---------------------------------------------
+
+CHECKPOINTS = StateMachine.build(
+    "checkpoints",
+    initial=["preparing"],
+    edges={
+        # Self-edge: the next prepare stage (environment -> model -> agent -> resources).
+        "preparing": ["preparing", "prepared", "aborting", "failed"],
+        "prepared": ["committing", "aborting"],
+        "committing": ["committed", "aborting"],
+        # Published: the checkpoint's manifest and then LATEST are durable.
+        "committed": ["published", "aborting"],
+        "published": ["resuming"],
+        "resuming": ["done"],
+        # Abort = resume everyone without publishing (a straggler retry starts a new row).
+        "aborting": ["aborted"],
+    },
+    terminal=["done", "aborted", "failed"],
+)
+
+CHECKPOINT_MEMBERS = StateMachine.build(
+    "checkpoint_members",
+    initial=["pending"],
+    edges={
+        "pending": ["preparing", "resuming"],
+        # not_ready: the prepare deadline passed with blockers (the participant stays closed).
+        "preparing": ["prepared", "not_ready", "failed", "resuming"],
+        "prepared": ["committing", "resuming"],
+        "not_ready": ["resuming"],
+        "committing": ["committed", "failed", "resuming"],
+        "committed": ["resuming"],
+        "failed": ["resuming"],
+        "resuming": ["resumed"],
+    },
+    terminal=["resumed"],
+)
+
+ROLLOUTS = StateMachine.build(
+    "rollouts",
+    initial=["dispatched"],
+    edges={
+        # Self-edge on dispatched: the next attempt (after a restore, or a rerun after a retire).
+        "dispatched": ["dispatched", "finished", "restart", "retiring"],
+        "restart": ["finished", "retiring"],
+        "retiring": ["retired"],
+        "retired": ["dispatched", "forgotten"],
+        "finished": ["forgotten"],
+    },
+    terminal=["forgotten"],
+)
+
+RESTORES = StateMachine.build(
+    "restores",
+    initial=["restoring"],
+    edges={
+        "restoring": ["resuming", "rolling_back"],
+        "resuming": ["done"],
+        # A failed restore retires the replacement attempts everywhere, resumes everyone, fails.
+        "rolling_back": ["failed"],
+    },
+    terminal=["done", "failed"],
+)
+
+RETIREMENTS = StateMachine.build(
+    "retirements",
+    initial=["queued"],
+    edges={
+        # Queued while a checkpoint is open; then stage by stage (callers first).
+        "queued": ["running"],
+        "running": ["running", "done", "failed"],
+    },
+    terminal=["done", "failed"],
+)

@@ -111,3 +111,85 @@ participants = sa.Table(
              sqlite_where=sa.text("state != 'removed'"),
              postgresql_where=sa.text("state != 'removed'")),
 )
+
+# -- the checkpoint workflows -----------------------------------------------------------------------
+
+checkpoints = sa.Table(
+    "checkpoints",
+    metadata,
+    *entity_columns(),
+    # Where participants write (<checkpoint_dir>/<id>/gym/...) and the checkpoint's own manifest goes.
+    sa.Column("checkpoint_dir", sa.Text, nullable=False),
+    # Straggler retries: the try number and the checkpoint this one retries.
+    sa.Column("try_number", sa.Integer, nullable=False, default=1),
+    sa.Column("retry_of", sa.String(255), nullable=True),
+    sa.Column("max_tries", sa.Integer, nullable=False, default=3),
+    # Index into the prepare stages (environment, model, agent, resources).
+    sa.Column("stage", sa.Integer, nullable=False, default=0),
+    # Absolute Unix deadline of the current phase, as sent to participants.
+    sa.Column("deadline_ts", sa.Float, nullable=True),
+    sa.Column("scope", JSONValue(), nullable=True),
+    sa.Column("restarts", JSONValue(), nullable=True),
+    sa.Column("blockers", JSONValue(), nullable=True),
+    sa.Column("manifest_path", sa.Text, nullable=True),
+    sa.Column("timings", JSONValue(), nullable=True),
+    sa.Column("detail", sa.Text, nullable=True),
+    sa.Index("ix_checkpoints_open", "state",
+             sqlite_where=sa.text("state NOT IN ('done', 'aborted', 'failed')"),
+             postgresql_where=sa.text("state NOT IN ('done', 'aborted', 'failed')")),
+)
+
+checkpoint_members = sa.Table(
+    "checkpoint_members",
+    metadata,
+    *entity_columns(),
+    sa.Column("checkpoint_id", sa.String(255), nullable=False),
+    sa.Column("participant", sa.String(255), nullable=False),
+    sa.Column("kind", sa.String(32), nullable=False),
+    sa.Column("url", sa.Text, nullable=False),
+    sa.Column("stage", sa.Integer, nullable=False),
+    sa.Column("report", JSONValue(), nullable=True),
+    sa.Column("manifest", JSONValue(), nullable=True),
+    sa.Column("episode_ids", JSONValue(), nullable=True),
+    sa.Column("detail", sa.Text, nullable=True),
+    sa.Index("ix_checkpoint_members_checkpoint", "checkpoint_id", "stage"),
+)
+
+rollouts = sa.Table(
+    "rollouts",
+    metadata,
+    *entity_columns(),
+    sa.Column("attempt", sa.Integer, nullable=False, default=0),
+    sa.Column("task", JSONValue(), nullable=True),
+    sa.Column("result", JSONValue(), nullable=True),
+    # The last published checkpoint that continued this rollout.
+    sa.Column("checkpoint_id", sa.String(255), nullable=True),
+    sa.Column("detail", sa.Text, nullable=True),
+    sa.Index("ix_rollouts_live", "state",
+             sqlite_where=sa.text("state IN ('dispatched', 'restart', 'retiring')"),
+             postgresql_where=sa.text("state IN ('dispatched', 'restart', 'retiring')")),
+)
+
+restores = sa.Table(
+    "restores",
+    metadata,
+    *entity_columns(),
+    sa.Column("checkpoint_id", sa.String(255), nullable=False),
+    sa.Column("checkpoint_dir", sa.Text, nullable=False),
+    sa.Column("scope", JSONValue(), nullable=False),
+    sa.Column("deadline_ts", sa.Float, nullable=True),
+    sa.Column("timings", JSONValue(), nullable=True),
+    sa.Column("detail", sa.Text, nullable=True),
+)
+
+retirements = sa.Table(
+    "retirements",
+    metadata,
+    *entity_columns(),
+    sa.Column("op", sa.String(8), nullable=False),
+    sa.Column("rollout_ids", JSONValue(), nullable=False),
+    # retire: the attempts to retire (EpisodeId dicts); forget: null.
+    sa.Column("episode_ids", JSONValue(), nullable=True),
+    sa.Column("stage", sa.Integer, nullable=False, default=0),
+    sa.Column("detail", sa.Text, nullable=True),
+)

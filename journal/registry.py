@@ -90,4 +90,9 @@ def builtin_kinds() -> KindRegistry:
     reg = KindRegistry()
     reg.register(EntityKind("participants", models.participants, machines.PARTICIPANTS))
     reg.register(EntityKind("rpc_calls", models.rpc_calls, machines.RPC_CALLS))
+    for table, machine in ((models.checkpoints, machines.CHECKPOINTS),
+                           (models.checkpoint_members, machines.CHECKPOINT_MEMBERS),
+                           (models.rollouts, machines.ROLLOUTS), (models.restores, machines.RESTORES),
+                           (models.retirements, machines.RETIREMENTS)):
+        reg.register(EntityKind(machine.kind, table, machine))
     return reg

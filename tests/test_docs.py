@@ -13,8 +13,8 @@ from journal import builtin_kinds
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_architecture_shows_every_builtin_machine() -> None:
-    text = (ROOT / "docs" / "architecture.md").read_text()
+def test_the_docs_show_every_builtin_machine() -> None:
+    text = "".join((ROOT / "docs" / name).read_text() for name in ("architecture.md", "checkpointing.md"))
     for kind in builtin_kinds():
         assert f"```mermaid\n{kind.machine.mermaid()}\n```" in text, f"diagram of {kind.name} is out of date"
 

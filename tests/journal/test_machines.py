@@ -145,7 +145,8 @@ def test_entity_kind_invariants() -> None:
 
 def test_registry() -> None:
     kinds = builtin_kinds()
-    assert kinds.names() == ["participants", "rpc_calls"]
+    assert kinds.names() == ["checkpoint_members", "checkpoints", "participants", "restores", "retirements",
+                             "rollouts", "rpc_calls"]
     kinds.register(WIDGET_KIND)
     kinds.register(EntityKind("widgets", widgets, WIDGETS))  # the same again is fine
     assert "widgets" in kinds and kinds.get("widgets") == WIDGET_KIND
