@@ -128,7 +128,8 @@ CHECKPOINTS = StateMachine.build(
         # Self-edge: the next prepare stage (environment -> model -> agent -> resources).
         "preparing": ["preparing", "prepared", "aborting", "failed"],
         "prepared": ["committing", "aborting"],
-        "committing": ["committed", "aborting"],
+        # Self-edge: the environment's commit fixed the scope; everyone else commits it next.
+        "committing": ["committing", "committed", "aborting"],
         # Published: the checkpoint's manifest and then LATEST are durable.
         "committed": ["published", "aborting"],
         "published": ["resuming"],

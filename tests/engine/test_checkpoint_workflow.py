@@ -1,0 +1,153 @@
+"""The checkpoint workflow through the whole orchestrator, against the four reference participants
+as real processes, on both journal backends: a checkpoint taken mid-episode is published and every
+participant resumed; a stage that misses its deadline aborts with its blockers in the journal."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import sqlalchemy as sa
+
+from engine.config import Settings
+from engine.controllers.checkpoint import CheckpointController, CheckpointSettings, start_checkpoint
+from engine.service import Orchestrator
+from journal import audit, models
+from tests.support.reference_procs import TOKEN, Controller, Procs, Stack, start_stack
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[Procs]:
+    started = Procs(tmp_path)
+    try:
+        yield started
+    finally:
+        started.kill_all()
+
+
+@pytest.fixture
+async def controller() -> AsyncIterator[Controller]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+        yield Controller(http)
+
+
+def settings(journal_url: str, stack: Stack) -> Settings:
+    return Settings.model_validate({
+        "journal": {"url": journal_url},
+        "orchestrator": {"lease_ttl_s": 5, "lease_renew_s": 1, "shutdown_grace_s": 1},
+        "control": {"token": TOKEN},
+        "discovery": {"probe_timeout_s": 2, "probe_tries": 2, "interval_s": 60},
+        "participants": [{"name": f"{kind}-0", "url": stack.url(kind)}
+                         for kind in ("environment", "model", "agent", "resources")],
+        "logging": {"level": "WARNING"},
+    })
+
+
+async def table(orch: Orchestrator, t: sa.Table) -> dict[str, Any]:
+    async with orch.journal.read() as conn:
+        return {r.id: dict(r._mapping) for r in (await conn.execute(sa.select(t))).all()}
+
+
+async def until(check: Any, timeout: float = 30.0) -> Any:
+    end = time.monotonic() + timeout
+    while True:
+        value = await check()
+        if value:
+            return value
+        assert time.monotonic() < end, "timed out"
+        await asyncio.sleep(0.05)
+
+
+async def run_checkpoint(orch: Orchestrator, checkpoint_id: str, directory: Path) -> dict[str, Any]:
+    async def healthy() -> list[Any]:
+        rows = await table(orch, models.participants)
+        return [r for r in rows.values() if r["state"] == "healthy"] if len(rows) == 4 and all(
+            r["state"] == "healthy" for r in rows.values()) else []
+    await until(healthy)
+    from journal.writes import to_row
+    participants = [to_row("participants", r) for r in (await table(orch, models.participants)).values()]
+
+    async def start(tx: Any) -> None:
+        await start_checkpoint(tx, checkpoint_id, str(directory), participants)
+    await orch.committer.run(start)
+
+    async def finished() -> dict[str, Any] | None:
+        row = (await table(orch, models.checkpoints)).get(checkpoint_id)
+        return row if row is not None and row["state"] in ("done", "aborted", "failed") else None
+    try:
+        row: dict[str, Any] = await until(finished, 60)
+    except AssertionError:
+        calls = await table(orch, models.rpc_calls)
+        raise AssertionError(f"checkpoint did not finish: {await table(orch, models.checkpoints)}\n"
+                             f"members: {[(m['participant'], m['state']) for m in (await table(orch, models.checkpoint_members)).values()]}\n"
+                             f"calls: {[(c['path'], c['target'][-6:], c['state']) for c in calls.values()]}") from None
+    return row
+
+
+async def test_a_checkpoint_mid_episode_is_published_and_everyone_resumed(
+        journal_url: str, procs: Procs, controller: Controller, tmp_path: Path) -> None:
+    stack = await start_stack(procs, {k: tmp_path / "state" / k for k in
+                                      ("environment", "model", "agent", "resources")}, env_delay=0.2)
+    runs = [asyncio.create_task(controller.run(stack.url("environment"), f"r{i}", {"prompt": f"p{i}", "turns": 4}))
+            for i in range(3)]
+    await asyncio.sleep(0.5)  # the episodes are mid-way
+    orch = Orchestrator(settings(journal_url, stack), controllers=[CheckpointController(CheckpointSettings(
+        prepare_timeout_s=10, commit_timeout_s=20, resume_timeout_s=10))])
+    await orch.start()
+    try:
+        row = await run_checkpoint(orch, "ck-1", tmp_path / "ckpts")
+        members = await table(orch, models.checkpoint_members)
+        async with orch.journal.read() as conn:
+            trail = [e["to_state"] for e in await audit.query_events(conn, audit.EventFilter(entity_kind="checkpoints"))]
+    finally:
+        await orch.stop()
+    results = await asyncio.gather(*runs)
+    assert row["state"] == "done", row
+    assert trail == ["preparing", "preparing", "preparing", "preparing", "preparing", "prepared", "committing",
+                     "committing", "committed", "published", "resuming", "done"]
+    assert (tmp_path / "ckpts" / "LATEST").read_text().strip() == "ck-1"
+    published = json.loads((tmp_path / "ckpts" / "ck-1" / "checkpoint.json").read_text())
+    assert set(published["members"]) == {"environment-0", "model-0", "agent-0", "resources-0"}
+    assert published["scope"] and set(published["scope"]) <= {"r0", "r1", "r2"}
+    assert all(m["state"] == "resumed" for m in members.values())
+    assert all(m["manifest"]["checkpoint_id"] == "ck-1" for m in members.values())
+    for kind in ("environment", "model", "agent", "resources"):
+        status = await controller.status(stack.url(kind))
+        assert status["phase"] == "idle" and status["checkpoint_id"] is None
+    # The episodes were parked at their boundaries and went on after the resume.
+    assert sorted(r["rollout_id"] for r in results) == ["r0", "r1", "r2"]
+    assert all(len(r["actions"]) == 4 and 0.0 <= r["reward"] <= 1.0 for r in results)
+
+
+async def test_a_stage_that_misses_its_deadline_aborts_with_its_blockers(
+        journal_url: str, procs: Procs, controller: Controller, tmp_path: Path) -> None:
+    # Each step takes 2 s: 2.5 s in, the episode is inside its first `check`, a wait step.
+    stack = await start_stack(procs, {k: tmp_path / "state" / k for k in
+                                      ("environment", "model", "agent", "resources")}, env_delay=2.0)
+    run = asyncio.create_task(controller.run(stack.url("environment"), "slow", {"prompt": "p", "turns": 1}))
+    await asyncio.sleep(2.5)
+    orch = Orchestrator(settings(journal_url, stack), controllers=[CheckpointController(CheckpointSettings(
+        prepare_timeout_s=0.5, commit_timeout_s=20, resume_timeout_s=10))])
+    await orch.start()
+    try:
+        row = await run_checkpoint(orch, "ck-2", tmp_path / "ckpts")
+        members = {m["participant"]: m for m in (await table(orch, models.checkpoint_members)).values()}
+    finally:
+        await orch.stop()
+    assert row["state"] == "aborted", row
+    assert "stage environment not prepared" in row["detail"] and row["blockers"] == {"environment-0": ["slow"]}
+    assert members["environment-0"]["report"]["blocker_count"] == 1
+    # Later stages were never prepared; everyone was resumed (the ones never reached too).
+    assert all(m["state"] == "resumed" for m in members.values())
+    assert not (tmp_path / "ckpts" / "LATEST").exists()
+    for kind in ("environment", "model", "agent", "resources"):
+        assert (await controller.status(stack.url(kind)))["phase"] == "idle"
+    assert (await run)["rollout_id"] == "slow"  # the episode went on after the abort
