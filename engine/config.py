@@ -112,6 +112,16 @@ class DiscoverySettingsModel(_Strict):
     max_backoff_s: float = Field(default=600.0, gt=0)
 
 
+class CheckpointWorkflowSettings(_Strict):
+    """The checkpoint, restore, retire and forget workflows (docs/checkpointing.md)."""
+
+    directory: str = "./checkpoints"
+    prepare_timeout_s: float = Field(default=30.0, gt=0, le=86_400)
+    commit_timeout_s: float = Field(default=120.0, gt=0, le=86_400)
+    resume_timeout_s: float = Field(default=30.0, gt=0, le=86_400)
+    max_tries: int = Field(default=3, ge=1, le=100)
+
+
 class ParticipantEntry(_Strict):
     name: str
     url: str
@@ -156,6 +166,7 @@ class Settings(_Strict):
     dispatcher: DispatcherSettings = DispatcherSettings()
     rpc: RpcSettings = RpcSettings()
     discovery: DiscoverySettingsModel = DiscoverySettingsModel()
+    checkpoint: CheckpointWorkflowSettings = CheckpointWorkflowSettings()
     participants: list[ParticipantEntry] = Field(default_factory=list)
     logging: LoggingSettings = LoggingSettings()
 

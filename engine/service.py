@@ -18,6 +18,7 @@ from journal import Fence, Journal, LeaseLost, schema
 from .clock import Clock, SystemClock
 from .committer import GroupCommitter
 from .config import Settings
+from .controllers.checkpoint import CheckpointController, CheckpointSettings
 from .controllers.discovery import DiscoveryController, DiscoverySettings, sync_configured
 from .crash import CrashHooks
 from .dispatcher import Dispatcher
@@ -70,6 +71,10 @@ class Orchestrator:
             self.discovery = DiscoveryController(self.rpc, DiscoverySettings(
                 ds.probe_timeout_s, ds.probe_tries, ds.interval_s, ds.max_backoff_s), self.metrics)
             self.reconciler.register(self.discovery)
+        c = settings.checkpoint
+        self.checkpoints = CheckpointController(CheckpointSettings(
+            c.prepare_timeout_s, c.commit_timeout_s, c.resume_timeout_s))
+        self.reconciler.register(self.checkpoints)
         for controller in controllers or []:
             self.reconciler.register(controller)
         self.with_discovery = with_discovery

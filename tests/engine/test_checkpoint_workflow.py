@@ -16,7 +16,7 @@ import pytest
 import sqlalchemy as sa
 
 from engine.config import Settings
-from engine.controllers.checkpoint import CheckpointController, CheckpointSettings, start_checkpoint
+from engine.controllers.checkpoint import start_checkpoint
 from engine.service import Orchestrator
 from journal import audit, models
 from tests.support.reference_procs import TOKEN, Controller, Procs, Stack, start_stack
@@ -39,8 +39,9 @@ async def controller() -> AsyncIterator[Controller]:
         yield Controller(http)
 
 
-def settings(journal_url: str, stack: Stack) -> Settings:
+def settings(journal_url: str, stack: Stack, **checkpoint: float) -> Settings:
     return Settings.model_validate({
+        "checkpoint": {"commit_timeout_s": 20, "resume_timeout_s": 10, **checkpoint},
         "journal": {"url": journal_url},
         "orchestrator": {"lease_ttl_s": 5, "lease_renew_s": 1, "shutdown_grace_s": 1},
         "control": {"token": TOKEN},
@@ -99,8 +100,7 @@ async def test_a_checkpoint_mid_episode_is_published_and_everyone_resumed(
     runs = [asyncio.create_task(controller.run(stack.url("environment"), f"r{i}", {"prompt": f"p{i}", "turns": 4}))
             for i in range(3)]
     await asyncio.sleep(0.5)  # the episodes are mid-way
-    orch = Orchestrator(settings(journal_url, stack), controllers=[CheckpointController(CheckpointSettings(
-        prepare_timeout_s=10, commit_timeout_s=20, resume_timeout_s=10))])
+    orch = Orchestrator(settings(journal_url, stack, prepare_timeout_s=10))
     await orch.start()
     try:
         row = await run_checkpoint(orch, "ck-1", tmp_path / "ckpts")
@@ -134,8 +134,7 @@ async def test_a_stage_that_misses_its_deadline_aborts_with_its_blockers(
                                       ("environment", "model", "agent", "resources")}, env_delay=2.0)
     run = asyncio.create_task(controller.run(stack.url("environment"), "slow", {"prompt": "p", "turns": 1}))
     await asyncio.sleep(2.5)
-    orch = Orchestrator(settings(journal_url, stack), controllers=[CheckpointController(CheckpointSettings(
-        prepare_timeout_s=0.5, commit_timeout_s=20, resume_timeout_s=10))])
+    orch = Orchestrator(settings(journal_url, stack, prepare_timeout_s=0.5))
     await orch.start()
     try:
         row = await run_checkpoint(orch, "ck-2", tmp_path / "ckpts")

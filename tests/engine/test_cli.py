@@ -11,7 +11,7 @@ import pytest
 import sqlalchemy as sa
 import yaml
 
-from journal import Journal, audit
+from journal import Journal, audit, schema
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,7 +39,7 @@ def test_serve_refuses_an_unmigrated_journal_then_migrate_fixes_it(fresh_url: st
         assert res.returncode == 2 and "tidelog migrate" in res.stderr, cmd
     res = tidelog("migrate", config=cfg)
     assert res.returncode == 0, res.stderr
-    assert "at revision 0001" in res.stdout
+    assert f"at revision {schema.head_revision()}" in res.stdout
     res = tidelog("status", "--json", config=cfg)
     assert res.returncode == 0 and json.loads(res.stdout)["lease"] is None
 
