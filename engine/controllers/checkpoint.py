@@ -50,6 +50,8 @@ KIND = "checkpoints"
 MEMBERS = "checkpoint_members"
 #: Prepare order; resume runs it backwards.
 STAGES: tuple[str, ...] = ("environment", "model", "agent", "resources")
+#: How long past its deadline a call may take to answer (a participant answers at its deadline).
+CALL_MARGIN_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -100,8 +102,11 @@ class CheckpointController:
         return {r.id: to_row(outbox.KIND, r._mapping) for r in rows}
 
     def _intent(self, row: Row, member: Row, op: str, body: dict[str, Any], timeout_s: float) -> outbox.Intent:
+        # Prepare and commit are bounded by their phase's deadline: a call that fails is not sent
+        # again past it (the checkpoint aborts and a retry runs under a new id). A resume is
+        # retried a little; beyond that the participant's lease resumes it.
         return outbox.Intent.for_row(row, target=member["url"], method="POST", path=f"{CONTROL_PREFIX}/{op}",
-                                     body=body, timeout_s=timeout_s, max_attempts=3)
+                                     body=body, timeout_s=timeout_s, max_attempts=3 if op == "resume" else 1)
 
     async def _fan_out(self, ctx: Context, row: Row, members: list[Row], op: str, body: dict[str, Any],
                        timeout_s: float, moving: tuple[str, str] | None) -> dict[str, Row]:
@@ -172,10 +177,10 @@ class CheckpointController:
             deadline = float(row["deadline_ts"])
             body = {"checkpoint_id": row.id, "deadline_ts": deadline}
             intents = await self._fan_out(ctx, row, current, "prepare", body,
-                                          max(deadline - time.time(), 0.0) + 5.0, ("pending", "preparing"))
+                                          max(deadline - time.time(), 0.0) + CALL_MARGIN_S, ("pending", "preparing"))
             outcome = await self._record_prepares(ctx, current, intents)
             if outcome is None:
-                return Result(requeue_after=max(deadline - time.time(), 0.0) + 6.0)
+                return Result(requeue_after=max(deadline - time.time(), 0.0) + CALL_MARGIN_S + 1.0)
             why, blockers = outcome
             if why:
                 return await self._abort(ctx, row, f"stage {STAGES[stage]} not prepared: {why}", blockers=blockers)
@@ -222,7 +227,7 @@ class CheckpointController:
     async def _committing(self, ctx: Context, row: Row, members: list[Row]) -> Result:
         deadline = self._deadline(row, self.settings.commit_timeout_s)
         directory = str(Path(row["checkpoint_dir"]) / row.id)
-        timeout = max(deadline - time.time(), 0.0) + 5.0
+        timeout = max(deadline - time.time(), 0.0) + CALL_MARGIN_S
         envs = [m for m in members if m["kind"] == "environment"]
         others = [m for m in members if m["kind"] != "environment"]
         if row["scope"] is None:
@@ -297,7 +302,7 @@ class CheckpointController:
         stage = max(m["stage"] for m in pending)
         current = [m for m in pending if m["stage"] == stage]
         body = {"checkpoint_id": row.id, "deadline_ts": deadline}
-        timeout = max(deadline - time.time(), 0.0) + 5.0
+        timeout = max(deadline - time.time(), 0.0) + CALL_MARGIN_S
         # Members are moved to ``resuming`` one by one, from wherever they stand.
         moves = [Transition(MEMBERS, m.id, m.state, m.version, "resuming", "resume sent")
                  for m in current if m.state != "resuming"]
