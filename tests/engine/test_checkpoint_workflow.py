@@ -19,6 +19,7 @@ from engine.config import Settings
 from engine.controllers.checkpoint import start_checkpoint
 from engine.service import Orchestrator
 from journal import audit, models
+from tests.support.audit_sql import queries
 from tests.support.reference_procs import TOKEN, Controller, Procs, Stack, start_stack
 
 pytestmark = pytest.mark.slow
@@ -67,6 +68,14 @@ async def until(check: Any, timeout: float = 30.0) -> Any:
         await asyncio.sleep(0.05)
 
 
+async def audit_query(orch: Orchestrator, name: str, **params: str) -> list[dict[str, Any]]:
+    """Run one of docs/audit.md's queries, as written, on this journal's backend."""
+    backend = orch.journal.backend
+    async with orch.journal.read() as conn:
+        result = await conn.execute(sa.text(queries(backend)[name]), params)
+        return [dict(r._mapping) for r in result.all()]
+
+
 async def run_checkpoint(orch: Orchestrator, checkpoint_id: str, directory: Path) -> dict[str, Any]:
     async def healthy() -> list[Any]:
         rows = await table(orch, models.participants)
@@ -107,6 +116,13 @@ async def test_a_checkpoint_mid_episode_is_published_and_everyone_resumed(
         members = await table(orch, models.checkpoint_members)
         async with orch.journal.read() as conn:
             trail = [e["to_state"] for e in await audit.query_events(conn, audit.EventFilter(entity_kind="checkpoints"))]
+        # docs/audit.md's queries answer from this journal.
+        containing = await audit_query(orch, "checkpoints-containing-rollout", rollout="r0")
+        assert [(r["checkpoint_id"], r["capture_key"]) for r in containing] == [("ck-1", "r0")]
+        assert await audit_query(orch, "checkpoints-containing-rollout", rollout="r") == []
+        assert [r["to_state"] for r in await audit_query(orch, "checkpoint-trail", checkpoint="ck-1")] == trail
+        assert len(await audit_query(orch, "checkpoint-leaders")) == 1
+        assert await audit_query(orch, "rollout-history", rollout="r0") == []  # not dispatched by tidelog
     finally:
         await orch.stop()
     results = await asyncio.gather(*runs)
@@ -139,6 +155,9 @@ async def test_a_stage_that_misses_its_deadline_aborts_with_its_blockers(
     try:
         row = await run_checkpoint(orch, "ck-2", tmp_path / "ckpts")
         members = {m["participant"]: m for m in (await table(orch, models.checkpoint_members)).values()}
+        reason = await audit_query(orch, "checkpoint-abort-reason", checkpoint="ck-2")
+        answers = await audit_query(orch, "checkpoint-members", checkpoint="ck-2")
+        failed_calls = await audit_query(orch, "checkpoint-failed-calls", checkpoint="ck-2")
     finally:
         await orch.stop()
     assert row["state"] == "aborted", row
@@ -150,3 +169,7 @@ async def test_a_stage_that_misses_its_deadline_aborts_with_its_blockers(
     for kind in ("environment", "model", "agent", "resources"):
         assert (await controller.status(stack.url(kind)))["phase"] == "idle"
     assert (await run)["rollout_id"] == "slow"  # the episode went on after the abort
+    # docs/audit.md's "why did checkpoint Y abort" answers from the journal.
+    assert reason[0]["state"] == "aborted" and "stage environment not prepared" in reason[0]["detail"]
+    assert [(a["participant"], a["state"]) for a in answers][0] == ("environment-0", "resumed")
+    assert failed_calls == []  # the environment answered (not ready): no call failed
