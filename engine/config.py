@@ -119,6 +119,8 @@ class CheckpointWorkflowSettings(_Strict):
     prepare_timeout_s: float = Field(default=30.0, gt=0, le=86_400)
     commit_timeout_s: float = Field(default=120.0, gt=0, le=86_400)
     resume_timeout_s: float = Field(default=30.0, gt=0, le=86_400)
+    restore_timeout_s: float = Field(default=120.0, gt=0, le=86_400)
+    retire_timeout_s: float = Field(default=60.0, gt=0, le=86_400)
     max_tries: int = Field(default=3, ge=1, le=100)
 
 
