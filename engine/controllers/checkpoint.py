@@ -45,6 +45,7 @@ from journal.writes import Row, to_row
 from workers.protocol import CONTROL_PREFIX, EpisodeId
 
 from ..reconciler import Context, Result
+from .fanout import describe_error, read_calls, timings
 
 KIND = "checkpoints"
 MEMBERS = "checkpoint_members"
@@ -93,14 +94,6 @@ class CheckpointController:
                                        .order_by(t.c.stage, t.c.participant))).all()
         return [to_row(MEMBERS, r._mapping) for r in rows]
 
-    async def _intents(self, ctx: Context, ids: list[str]) -> dict[str, Row]:
-        if not ids:
-            return {}
-        t = models.rpc_calls
-        async with ctx.journal.read() as conn:
-            rows = (await conn.execute(sa.select(t).where(t.c.id.in_(ids)))).all()
-        return {r.id: to_row(outbox.KIND, r._mapping) for r in rows}
-
     def _intent(self, row: Row, member: Row, op: str, body: dict[str, Any], timeout_s: float) -> outbox.Intent:
         # Prepare and commit are bounded by their phase's deadline: a call that fails is not sent
         # again past it (the checkpoint aborts and a retry runs under a new id). A resume is
@@ -120,7 +113,7 @@ class CheckpointController:
                     await tx.transition(MEMBERS, m.id, from_state=m.state, version=m.version,
                                         to_state=moving[1], reason=f"{op} sent")
         await ctx.write(write)
-        rows = await self._intents(ctx, [i.id for i in intents.values()])
+        rows = await read_calls(ctx, [i.id for i in intents.values()])
         return {mid: rows[i.id] for mid, i in intents.items() if i.id in rows}
 
     def _deadline(self, row: Row, seconds: float) -> float:
@@ -152,9 +145,7 @@ class CheckpointController:
                     **changes: Any) -> None:
         if deadline is not None:
             changes["deadline_ts"] = time.time() + deadline
-        timings = dict(row["timings"] or {})
-        timings[row.state] = round((ctx.clock.now() - row["updated_at"]).total_seconds(), 3)
-        changes["timings"] = timings
+        changes["timings"] = timings(ctx, row)
         await ctx.apply(Transition(KIND, row.id, row.state, row.version, to_state, reason, changes))
 
     async def _abort(self, ctx: Context, row: Row, detail: str, **changes: Any) -> Result:
@@ -213,7 +204,7 @@ class CheckpointController:
                 blockers[m["participant"]] = report.get("blockers", [])
                 failures.append(f"{m['participant']} has {detail}")
             else:
-                state, detail = "failed", json.dumps(intent["error"])[:500]
+                state, detail = "failed", describe_error(intent)
                 failures.append(f"{m['participant']} failed: {detail}")
             if m.state == "preparing":
                 ops.append(Transition(MEMBERS, m.id, "preparing", m.version, state, f"prepare answered: {state}",
@@ -270,7 +261,7 @@ class CheckpointController:
                     ops.append(Transition(MEMBERS, m.id, "committing", m.version, "committed", "commit answered",
                                           {"manifest": reply.get("manifest"), "episode_ids": reply.get("episode_ids")}))
             else:
-                detail = json.dumps(intent["error"])[:500]
+                detail = describe_error(intent)
                 failures.append(f"{m['participant']} did not commit: {detail}")
                 if m.state == "committing":
                     ops.append(Transition(MEMBERS, m.id, "committing", m.version, "failed", "commit failed",
@@ -317,7 +308,7 @@ class CheckpointController:
             if intent is None or intent.state not in ("succeeded", "failed", "ambiguous"):
                 continue
             detail = None if intent.state == "succeeded" else (
-                f"resume failed ({json.dumps(intent['error'])[:300]}); its lease resumes it")
+                f"resume failed ({describe_error(intent)}); its lease resumes it")
             ops.append(Transition(MEMBERS, m.id, "resuming", m.version, "resumed", "resume answered",
                                   {"detail": detail}))
         if ops:

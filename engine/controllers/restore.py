@@ -36,7 +36,6 @@ import json
 import logging
 import re
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,7 +47,8 @@ from journal.writes import Row, to_row
 from workers.protocol import CONTROL_PREFIX, ID_PATTERN, EpisodeId
 
 from ..reconciler import Context, Result
-from .retirement import RETIRE_ORDER, Member, fan_out, healthy, participant_rows, timings
+from .fanout import Member, fan_out, healthy, participant_rows, timings
+from .retirement import RETIRE_ORDER
 
 log = logging.getLogger("tidelog.restore")
 

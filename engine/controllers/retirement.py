@@ -32,18 +32,19 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import sqlalchemy as sa
 from pydantic import ValidationError
 
-from journal import Transition, WriteTx, models, outbox
+from journal import Transition, WriteTx, models
 from journal.writes import Row, to_row
-from workers.protocol import CONTROL_PREFIX, EpisodeId
+from workers.protocol import EpisodeId
 
 from ..reconciler import Context, Result
+from .fanout import Member, control_intent, fan_out, healthy, participant_rows, read_calls
 
 log = logging.getLogger("tidelog.retirement")
 
@@ -52,7 +53,6 @@ ROLLOUTS = "rollouts"
 #: Callers before callees.
 RETIRE_ORDER: tuple[tuple[str, ...], ...] = (("environment",), ("agent",), ("model", "resources"))
 LIVE_ROLLOUT = ("dispatched", "restart", "retiring")
-SETTLED = ("succeeded", "failed", "ambiguous")
 Op = Literal["retire", "forget"]
 
 
@@ -68,99 +68,6 @@ class InvalidRetirement(ValueError):
 class RetirementSettings:
     retire_timeout_s: float = 60.0
     poll_s: float = 0.5
-
-
-# -- fan-out helpers (shared with the restore controller) -------------------------------------------
-
-@dataclass(frozen=True)
-class Member:
-    """A participant a workflow calls: its row id (name), kind and control URL."""
-
-    name: str
-    kind: str
-    url: str
-
-
-@dataclass
-class FanOut:
-    """Where one group of calls stands: ``open`` until every call settled; failures by participant."""
-
-    open: bool = False
-    failures: list[str] = field(default_factory=list)
-    replies: dict[str, Any] = field(default_factory=dict)
-
-
-async def participant_rows(ctx: Context) -> list[Row]:
-    t = models.participants
-    async with ctx.journal.read() as conn:
-        rows = (await conn.execute(sa.select(t).order_by(t.c.id))).all()
-    return [to_row("participants", r._mapping) for r in rows]
-
-
-def healthy(rows: Iterable[Row], kinds: Iterable[str] | None = None) -> list[Member]:
-    wanted = None if kinds is None else set(kinds)
-    return [Member(r.id, r["kind"], r["url"]) for r in rows
-            if r.state == "healthy" and r["kind"] and (wanted is None or r["kind"] in wanted)]
-
-
-def control_intent(owner: Row, member: Member, op: str, body: Mapping[str, Any], timeout_s: float
-                   ) -> outbox.Intent:
-    """``POST <member>/ng-control/v1/checkpoint/<op>`` owned by ``owner`` at its state and version."""
-    return outbox.Intent.for_row(owner, target=member.url, method="POST", path=f"{CONTROL_PREFIX}/{op}",
-                                 body=dict(body), timeout_s=timeout_s, max_attempts=3)
-
-
-async def read_calls(ctx: Context, ids: Iterable[str]) -> dict[str, Row]:
-    wanted = list(ids)
-    if not wanted:
-        return {}
-    t = models.rpc_calls
-    async with ctx.journal.read() as conn:
-        rows = (await conn.execute(sa.select(t).where(t.c.id.in_(wanted)))).all()
-    return {r.id: to_row(outbox.KIND, r._mapping) for r in rows}
-
-
-def describe_error(call: Row) -> str:
-    """A settled call's failure in words: ``HTTP <status> <code> <detail>`` or the transport error."""
-    error = call["error"] or {}
-    if call.state == "ambiguous":
-        return f"outcome unknown ({error.get('type', 'error')}: {error.get('detail', '')})"
-    if error.get("type") == "RemoteError":
-        return f"HTTP {error.get('status')} {error.get('code') or '-'} {error.get('detail', '')}".rstrip()
-    kind = "timed out" if error.get("type") == "CallTimeout" else "unreachable"
-    return f"{kind} ({error.get('type', 'error')}: {error.get('detail', '')})"
-
-
-async def fan_out(ctx: Context, owner: Row, members: Sequence[Member], op: str, body: Mapping[str, Any],
-                  deadline_ts: float) -> FanOut:
-    """Ensure one ``op`` call per member (only the missing ones are written) and report where they stand."""
-    timeout = max(deadline_ts - time.time(), 0.0) + 5.0
-    intents = {m.name: control_intent(owner, m, op, body, timeout) for m in members}
-    calls = await read_calls(ctx, (i.id for i in intents.values()))
-    missing = [(name, i) for name, i in intents.items() if i.id not in calls]
-    if missing:
-        async def write(tx: WriteTx) -> None:
-            for name, intent in missing:
-                await outbox.ensure(tx, intent, reason=f"{op} {name} for {owner.kind} {owner.id}")
-        await ctx.write(write)
-        calls = await read_calls(ctx, (i.id for i in intents.values()))
-    out = FanOut()
-    for name, intent in intents.items():
-        call = calls.get(intent.id)
-        if call is None or call.state not in SETTLED:
-            out.open = True
-        elif call.state == "succeeded":
-            out.replies[name] = call["result"]
-        else:
-            out.failures.append(f"{name}: {describe_error(call)}")
-    return out
-
-
-def timings(ctx: Context, row: Row) -> dict[str, Any]:
-    """The row's ``timings`` with the seconds spent in its current state added."""
-    out = dict(row["timings"] or {})
-    out[row.state] = round((ctx.clock.now() - row["updated_at"]).total_seconds(), 3)
-    return out
 
 
 # -- requests ---------------------------------------------------------------------------------------
@@ -337,6 +244,5 @@ class RetirementController:
         return Result()
 
 
-__all__ = ["KIND", "RETIRE_ORDER", "FanOut", "InvalidRetirement", "Member", "RetirementController",
-           "RetirementSettings", "describe_error", "fan_out", "healthy", "participant_rows", "read_calls",
-           "request_retirement", "timings", "wire_id"]
+__all__ = ["KIND", "RETIRE_ORDER", "InvalidRetirement", "RetirementController", "RetirementSettings",
+           "request_retirement", "wire_id"]
