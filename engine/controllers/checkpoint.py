@@ -46,6 +46,8 @@ from workers.protocol import CONTROL_PREFIX, EpisodeId
 
 from ..reconciler import Context, Result
 from .fanout import describe_error, read_calls, timings
+from .retirement import KIND as RETIREMENTS
+from .retirement import request_retirement
 
 KIND = "checkpoints"
 MEMBERS = "checkpoint_members"
@@ -159,6 +161,10 @@ class CheckpointController:
                                        {"detail": "the checkpoint has no members"}))
             return Result()
         if row["deadline_ts"] is None:
+            if row["retry_of"] is not None:
+                waiting = await self._retirement_pending(ctx, retirement_id(row["retry_of"]))
+                if waiting is not None:
+                    return waiting
             await ctx.apply(Transition(KIND, row.id, "preparing", row.version, "preparing", "stage 0 starts",
                                        {"deadline_ts": time.time() + self.settings.prepare_timeout_s}))
             return Result()
@@ -182,6 +188,13 @@ class CheckpointController:
         else:
             await self._move(ctx, row, "prepared", "every stage prepared")
         return Result()
+
+    async def _retirement_pending(self, ctx: Context, retirement: str) -> Result | None:
+        """A straggler retry prepares only once its predecessor's blockers are retired."""
+        row = await ctx.get(RETIREMENTS, retirement)
+        if row is not None and row.state not in ("done", "failed"):
+            return Result(requeue_after=0.25)
+        return None
 
     async def _record_prepares(self, ctx: Context, members: list[Row], intents: dict[str, Row]
                                ) -> tuple[str, dict[str, Any]] | None:
@@ -288,7 +301,11 @@ class CheckpointController:
         deadline = self._deadline(row, self.settings.resume_timeout_s)
         pending = [m for m in members if m.state != "resumed"]
         if not pending:
-            await self._move(ctx, row, final, "every member resumed")
+            blockers = sorted({k for keys in (row["blockers"] or {}).values() for k in keys})
+            if final == "aborted" and blockers and row["try_number"] < row["max_tries"]:
+                await self._retry(ctx, row, members, blockers)
+            else:
+                await self._move(ctx, row, final, "every member resumed")
             return Result()
         stage = max(m["stage"] for m in pending)
         current = [m for m in pending if m["stage"] == stage]
@@ -317,6 +334,38 @@ class CheckpointController:
         return Result(requeue_after=timeout)
 
 
+    async def _retry(self, ctx: Context, row: Row, members: list[Row], blockers: list[str]) -> None:
+        """Straggler policy: in one write, end this try, retire its blockers, and start the next try
+        under a new id (it prepares once the retirement is done)."""
+        next_id = next_try_id(row.id, row["try_number"] + 1)
+        episodes = [EpisodeId.from_capture_key(k) for k in blockers]
+        changes = {"timings": timings(ctx, row)}
+
+        async def write(tx: WriteTx) -> None:
+            await tx.transition(KIND, row.id, from_state=row.state, version=row.version, to_state="aborted",
+                                reason=f"every member resumed; retiring {len(blockers)} blockers, retry as {next_id}",
+                                changes=changes)
+            await request_retirement(tx, retirement_id(row.id), "retire", episodes=episodes)
+            await tx.create(KIND, next_id, reason=f"straggler retry {row['try_number'] + 1} of {row.id}",
+                            values={"checkpoint_dir": row["checkpoint_dir"], "max_tries": row["max_tries"],
+                                    "try_number": row["try_number"] + 1, "retry_of": row.id})
+            for m in members:
+                await tx.create(MEMBERS, member_id(next_id, m["participant"]), reason="member of the checkpoint",
+                                values={"checkpoint_id": next_id, "participant": m["participant"], "kind": m["kind"],
+                                        "url": m["url"], "stage": m["stage"]})
+        await ctx.write(write)
+
+
+def retirement_id(checkpoint_id: str) -> str:
+    """The retirement that retires a failed try's blockers."""
+    return f"stragglers-of-{checkpoint_id}"
+
+
+def next_try_id(checkpoint_id: str, try_number: int) -> str:
+    base = checkpoint_id.rsplit("-try", 1)[0] if "-try" in checkpoint_id else checkpoint_id
+    return f"{base}-try{try_number}"
+
+
 def _write_atomically(path: Path, data: bytes) -> None:
     """Write ``path`` so it is either the old or the new content, durable when this returns."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -333,4 +382,5 @@ def _write_atomically(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
-__all__ = ["MEMBERS", "STAGES", "CheckpointController", "CheckpointSettings", "member_id", "start_checkpoint"]
+__all__ = ["MEMBERS", "STAGES", "CheckpointController", "CheckpointSettings", "member_id", "next_try_id",
+           "retirement_id", "start_checkpoint"]

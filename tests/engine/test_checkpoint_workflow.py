@@ -76,7 +76,8 @@ async def audit_query(orch: Orchestrator, name: str, **params: str) -> list[dict
         return [dict(r._mapping) for r in result.all()]
 
 
-async def run_checkpoint(orch: Orchestrator, checkpoint_id: str, directory: Path) -> dict[str, Any]:
+async def run_checkpoint(orch: Orchestrator, checkpoint_id: str, directory: Path, *, max_tries: int = 1
+                         ) -> dict[str, Any]:
     async def healthy() -> list[Any]:
         rows = await table(orch, models.participants)
         return [r for r in rows.values() if r["state"] == "healthy"] if len(rows) == 4 and all(
@@ -86,7 +87,7 @@ async def run_checkpoint(orch: Orchestrator, checkpoint_id: str, directory: Path
     participants = [to_row("participants", r) for r in (await table(orch, models.participants)).values()]
 
     async def start(tx: Any) -> None:
-        await start_checkpoint(tx, checkpoint_id, str(directory), participants)
+        await start_checkpoint(tx, checkpoint_id, str(directory), participants, max_tries=max_tries)
     await orch.committer.run(start)
 
     async def finished() -> dict[str, Any] | None:
@@ -173,3 +174,32 @@ async def test_a_stage_that_misses_its_deadline_aborts_with_its_blockers(
     assert reason[0]["state"] == "aborted" and "stage environment not prepared" in reason[0]["detail"]
     assert [(a["participant"], a["state"]) for a in answers][0] == ("environment-0", "resumed")
     assert failed_calls == []  # the environment answered (not ready): no call failed
+
+
+async def test_a_straggler_is_retired_and_the_checkpoint_retried_under_a_new_id(
+        journal_url: str, procs: Procs, controller: Controller, tmp_path: Path) -> None:
+    stack = await start_stack(procs, {k: tmp_path / "state" / k for k in
+                                      ("environment", "model", "agent", "resources")}, env_delay=2.0)
+    run = asyncio.create_task(controller.post(stack.url("environment"), "/run",
+                                              {"rollout_id": "slow", "task": {"prompt": "p", "turns": 1}}))
+    await asyncio.sleep(2.5)  # inside its first `check`, a wait step that outlasts the deadline
+    orch = Orchestrator(settings(journal_url, stack, prepare_timeout_s=0.5))
+    await orch.start()
+    try:
+        first = await run_checkpoint(orch, "ck-3", tmp_path / "ckpts", max_tries=2)
+
+        async def retried() -> dict[str, Any] | None:
+            row = (await table(orch, models.checkpoints)).get("ck-3-try2")
+            return row if row is not None and row["state"] in ("done", "aborted", "failed") else None
+        second = await until(retried, 60)
+        retirement = (await table(orch, models.retirements))["stragglers-of-ck-3"]
+    finally:
+        await orch.stop()
+    assert first["state"] == "aborted" and first["blockers"] == {"environment-0": ["slow"]}
+    assert retirement["state"] == "done" and retirement["episode_ids"] == [{"rollout_id": "slow", "attempt": 0}]
+    assert second["state"] == "done" and second["retry_of"] == "ck-3" and second["try_number"] == 2
+    assert (tmp_path / "ckpts" / "LATEST").read_text().strip() == "ck-3-try2"
+    status, reply = await run
+    assert status == 409 and reply["error"]["code"] == "stale_attempt"  # the straggler was retired
+    env = await controller.status(stack.url("environment"))
+    assert env["retired_rollouts"] == 1 and env["phase"] == "idle"

@@ -668,8 +668,9 @@ async def test_a_retry_of_a_cut_short_retire_frees_an_episode_whose_task_ended_m
     status, _ = await server.call("retire", "x", seconds=0.2, episode_ids=[{"rollout_id": "r1"}])
     assert status == 409
     release.set()
-    with pytest.raises(asyncio.CancelledError):
+    with pytest.raises(ProtocolError) as ended:  # a retired episode ends with a typed error
         await task
+    assert ended.value.code is ErrorCode.STALE_ATTEMPT
     assert "r1" in env.steps  # ended, but no retire has waited for it yet: still tracked
     assert await server.ok("retire", "x", episode_ids=[{"rollout_id": "r1"}]) == {"retired_count": 1}
     assert "r1" not in env.steps and env.steps.blocker_count() == 0

@@ -98,7 +98,8 @@ class EnvironmentParticipant(Participant):
         Refuses a retired attempt (``stale_attempt``), a second start of a live attempt, a
         replacement whose task differs from the checkpointed one (``checkpoint_conflict``), and a
         new episode while a checkpoint holds admission closed (``checkpoint_parked``). A restored
-        attempt may begin while closed: it sits at its restored boundary.
+        attempt may begin while closed: it sits at its restored boundary. An episode a retire
+        stops ends with ``stale_attempt`` (not a bare cancellation).
         """
         self.check_attempt(episode)
         key = episode.capture_key
@@ -118,6 +119,13 @@ class EnvironmentParticipant(Participant):
         try:
             async with self.steps.deadline(key, deadline_s):
                 yield Episode(self, episode, continuation)
+        except asyncio.CancelledError:
+            # Cancelled by a retire: the caller gets a typed answer, not a dropped connection.
+            info = self.steps.info(key)
+            task = asyncio.current_task()
+            if info is not None and info.retired and task is not None and task.uncancel() == 0:
+                raise ProtocolError(ErrorCode.STALE_ATTEMPT, f"episode {key!r} was retired") from None
+            raise
         finally:
             self.steps.end(key)
             # A retired episode stays tracked (and blocking) until a retire has waited for it;
