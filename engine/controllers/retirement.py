@@ -133,11 +133,12 @@ class RetirementController:
     async def _blocker(self, ctx: Context, row: Row) -> str | None:
         c, r, q = models.checkpoints, models.restores, models.retirements
         async with ctx.journal.read() as conn:
-            # A checkpoint that has not started preparing holds no participant closed (a straggler
-            # retry waits in that state for this very retirement).
+            # A straggler retry that has not started preparing holds no participant closed: it
+            # waits in that state for the retirement of its predecessor's blockers.
             checkpoint = (await conn.execute(sa.select(c.c.id).where(
                 c.c.state.not_in(("done", "aborted", "failed")),
-                sa.not_(sa.and_(c.c.state == "preparing", c.c.deadline_ts.is_(None)))).limit(1))).scalar()
+                sa.not_(sa.and_(c.c.state == "preparing", c.c.deadline_ts.is_(None),
+                                c.c.retry_of.is_not(None)))).limit(1))).scalar()
             restore = (await conn.execute(sa.select(r.c.id).where(
                 r.c.state.not_in(("done", "failed"))).limit(1))).scalar()
             earlier = (await conn.execute(sa.select(q.c.id).where(
