@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 CONFIG ?= config.example.yaml
 
-.PHONY: run test typecheck bench clean
+.PHONY: run serve test typecheck bench clean
 
 $(VENV)/.installed-run: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,7 +18,11 @@ $(VENV)/.installed-test: pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $@ $(VENV)/.installed-run
 
+# The first main job: reference participants, a checkpoint mid-episode, SIGKILL, restore, finish.
 run: $(VENV)/.installed-run
+	$(VENV)/bin/tidelog demo --workdir demo-run
+
+serve: $(VENV)/.installed-run
 	$(VENV)/bin/tidelog --config $(CONFIG) migrate
 	@echo "tidelog: serving with $(CONFIG); try: curl -s http://127.0.0.1:8470/v1/status"
 	@echo "tidelog: participants: /v1/participants, audit trail: /v1/events or '$(VENV)/bin/tidelog --config $(CONFIG) events'"
@@ -33,4 +37,4 @@ bench: $(VENV)/.installed-test
 	$(PY) bench/journal_throughput.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache tidelog.db tidelog.db-wal tidelog.db-shm
+	rm -rf $(VENV) .pytest_cache .mypy_cache tidelog.db tidelog.db-wal tidelog.db-shm demo-run

@@ -1,10 +1,17 @@
 """The orchestrator's HTTP API (aiohttp).
 
-Reads are open; mutating routes need ``Authorization: Bearer <control token>``
-(compared in constant time) and are answered only by the leader. Every error
-is ``{"error": {"code", "detail"}}`` with a specific code: ``invalid_query``
-(400, naming the parameter, the value and the rule), ``unauthorized`` (401),
-``not_found`` (404), ``not_leader`` (503).
+Reads are open and answered by any replica (straight from the journal);
+mutating routes need ``Authorization: Bearer <control token>`` (compared in
+constant time) and are answered only by the leader. Every error is
+``{"error": {"code", "detail"}}`` with a specific code: ``invalid_query`` (400,
+naming the parameter, the value and the rule), ``invalid_body`` (422, naming
+the field, the value and the rule; also ``"field"``), ``unauthorized`` (401),
+``not_found`` (404), ``checkpoint_open``, ``restore_open``,
+``no_participants``, ``already_exists``, ``not_abortable`` (409),
+``not_leader`` and ``workflow_unavailable`` (503).
+
+The checkpoint workflows' routes (checkpoints, restores, retire, forget) are in
+:mod:`engine.api_workflows`.
 """
 
 from __future__ import annotations
@@ -206,6 +213,9 @@ def make_app(orch: Orchestrator) -> web.Application:
     app.router.add_get("/v1/participants", participants)
     app.router.add_get("/v1/events", events)
     app.router.add_post("/v1/participants/probe", mutating(probe))
+    from .api_workflows import add_workflow_routes
+
+    add_workflow_routes(app, orch, mutating)
     return app
 
 

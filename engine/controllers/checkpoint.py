@@ -104,8 +104,10 @@ class CheckpointController:
                                      body=body, timeout_s=timeout_s, max_attempts=3 if op == "resume" else 1)
 
     async def _fan_out(self, ctx: Context, row: Row, members: list[Row], op: str, body: dict[str, Any],
-                       timeout_s: float, moving: tuple[str, str] | None) -> dict[str, Row]:
-        """Ensure one intent per member (and move members ``from -> to``); return member id -> intent."""
+                       timeout_s: float, moving: tuple[str, str] | None) -> tuple[dict[str, Row], list[Row]]:
+        """Ensure one intent per member (and move members ``from -> to``); return member id -> intent,
+        and the members as they are now (read after the write: a call may settle in between, and its
+        outcome must be recorded on the member's current state and version)."""
         intents = {m.id: self._intent(row, m, op, body, timeout_s) for m in members}
 
         async def write(tx: WriteTx) -> None:
@@ -115,8 +117,10 @@ class CheckpointController:
                     await tx.transition(MEMBERS, m.id, from_state=m.state, version=m.version,
                                         to_state=moving[1], reason=f"{op} sent")
         await ctx.write(write)
+        fresh = {m.id: m for m in await self._members(ctx, row.id)}
         rows = await read_calls(ctx, [i.id for i in intents.values()])
-        return {mid: rows[i.id] for mid, i in intents.items() if i.id in rows}
+        return ({mid: rows[i.id] for mid, i in intents.items() if i.id in rows},
+                [fresh.get(m.id, m) for m in members])
 
     def _deadline(self, row: Row, seconds: float) -> float:
         return float(row["deadline_ts"]) if row["deadline_ts"] is not None else time.time() + seconds
@@ -173,8 +177,9 @@ class CheckpointController:
         if current:
             deadline = float(row["deadline_ts"])
             body = {"checkpoint_id": row.id, "deadline_ts": deadline}
-            intents = await self._fan_out(ctx, row, current, "prepare", body,
-                                          max(deadline - time.time(), 0.0) + CALL_MARGIN_S, ("pending", "preparing"))
+            intents, current = await self._fan_out(ctx, row, current, "prepare", body,
+                                                   max(deadline - time.time(), 0.0) + CALL_MARGIN_S,
+                                                   ("pending", "preparing"))
             outcome = await self._record_prepares(ctx, current, intents)
             if outcome is None:
                 return Result(requeue_after=max(deadline - time.time(), 0.0) + CALL_MARGIN_S + 1.0)
@@ -236,7 +241,7 @@ class CheckpointController:
         others = [m for m in members if m["kind"] != "environment"]
         if row["scope"] is None:
             body = {"checkpoint_id": row.id, "deadline_ts": deadline, "checkpoint_dir": directory}
-            intents = await self._fan_out(ctx, row, envs, "commit", body, timeout, ("prepared", "committing"))
+            intents, envs = await self._fan_out(ctx, row, envs, "commit", body, timeout, ("prepared", "committing"))
             done = await self._record_commits(ctx, envs, intents)
             if done is None:
                 return Result(requeue_after=timeout)
@@ -250,7 +255,7 @@ class CheckpointController:
             return Result()
         episodes = [EpisodeId.from_capture_key(k).model_dump() for k in row["scope"]]
         body = {"checkpoint_id": row.id, "deadline_ts": deadline, "checkpoint_dir": directory, "episode_ids": episodes}
-        intents = await self._fan_out(ctx, row, others, "commit", body, timeout, ("prepared", "committing"))
+        intents, others = await self._fan_out(ctx, row, others, "commit", body, timeout, ("prepared", "committing"))
         done = await self._record_commits(ctx, others, intents)
         if done is None:
             return Result(requeue_after=timeout)
@@ -318,7 +323,7 @@ class CheckpointController:
             await ctx.apply(*moves)
             # Member rows have no controller of their own: look at this checkpoint again now.
             return Result(requeue_after=0.0)
-        intents = await self._fan_out(ctx, row, current, "resume", body, timeout, None)
+        intents, current = await self._fan_out(ctx, row, current, "resume", body, timeout, None)
         ops: list[Transition] = []
         for m in current:
             intent = intents.get(m.id)

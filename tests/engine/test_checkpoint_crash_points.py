@@ -15,10 +15,8 @@ import json
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
-import aiohttp
 import pytest
 import sqlalchemy as sa
 
@@ -32,19 +30,6 @@ KINDS = ("environment", "model", "agent", "resources")
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
-def procs(tmp_path: Path) -> Iterator[Procs]:
-    started = Procs(tmp_path)
-    try:
-        yield started
-    finally:
-        started.kill_all()
-
-
-@pytest.fixture
-async def controller() -> AsyncIterator[Controller]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
-        yield Controller(http)
 
 
 async def run_worker(journal_url: str, directory: Path, checkpoint_id: str, stack: Stack,

@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
 import sqlalchemy as sa
 
@@ -27,19 +25,6 @@ KINDS = ("environment", "model", "agent", "resources")
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
-def procs(tmp_path: Path) -> Iterator[Procs]:
-    started = Procs(tmp_path)
-    try:
-        yield started
-    finally:
-        started.kill_all()
-
-
-@pytest.fixture
-async def controller() -> AsyncIterator[Controller]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
-        yield Controller(http)
 
 
 def settings(journal_url: str, participants: dict[str, str], prepare_timeout_s: float) -> Settings:

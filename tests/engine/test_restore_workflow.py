@@ -24,13 +24,11 @@ from engine.service import Orchestrator
 from journal import models
 from tests.support.checkpoints import corrupt_manifest
 from tests.support.reference_procs import KINDS, Controller, Procs, Stack, start_stack
-from tests.support.workflows import (  # noqa: F401 - fixtures
+from tests.support.workflows import (
     add_rollouts,
     by_rollout,
     closed_executions,
-    controller,
     events,
-    procs,
     run_checkpoint,
     settings,
     state_dirs,

@@ -22,11 +22,9 @@ from engine.controllers.retirement import (
 from engine.service import Orchestrator
 from journal import models
 from tests.support.reference_procs import KINDS, Controller, Procs, Stack, start_stack
-from tests.support.workflows import (  # noqa: F401 - fixtures
+from tests.support.workflows import (
     add_rollouts,
-    controller,
     events,
-    procs,
     settings,
     state_dirs,
     table,
