@@ -90,8 +90,9 @@ class ReconcilerSettings(_Strict):
 
 
 class DispatcherSettings(_Strict):
-    concurrency: int = Field(default=32, ge=1, le=4096)
-    batch: int = Field(default=64, ge=1, le=10_000)
+    # A checkpoint stage fans out to every participant of a kind at once: keep room for a stage.
+    concurrency: int = Field(default=256, ge=1, le=4096)
+    batch: int = Field(default=256, ge=1, le=10_000)
     poll_s: float = Field(default=1.0, gt=0)
     backoff_base_s: float = Field(default=0.5, gt=0)
     backoff_cap_s: float = Field(default=30.0, gt=0)

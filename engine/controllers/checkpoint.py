@@ -109,13 +109,20 @@ class CheckpointController:
         and the members as they are now (read after the write: a call may settle in between, and its
         outcome must be recorded on the member's current state and version)."""
         intents = {m.id: self._intent(row, m, op, body, timeout_s) for m in members}
+        rows = await read_calls(ctx, [i.id for i in intents.values()])
+        # Only what is missing is written: a reconcile of the same step finds its calls made.
+        missing = [m for m in members if intents[m.id].id not in rows]
+        moves = [m for m in members if moving is not None and m.state == moving[0]]
+        if not missing and not moves:
+            return ({mid: rows[i.id] for mid, i in intents.items() if i.id in rows}, members)
 
         async def write(tx: WriteTx) -> None:
-            for m in members:
+            for m in missing:
                 await outbox.ensure(tx, intents[m.id], reason=f"{op} {m['participant']} for {row.id}")
-                if moving is not None and m.state == moving[0]:
-                    await tx.transition(MEMBERS, m.id, from_state=m.state, version=m.version,
-                                        to_state=moving[1], reason=f"{op} sent")
+            for m in moves:
+                assert moving is not None
+                await tx.transition(MEMBERS, m.id, from_state=m.state, version=m.version,
+                                    to_state=moving[1], reason=f"{op} sent")
         await ctx.write(write)
         fresh = {m.id: m for m in await self._members(ctx, row.id)}
         rows = await read_calls(ctx, [i.id for i in intents.values()])

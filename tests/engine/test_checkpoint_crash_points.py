@@ -1,11 +1,15 @@
-"""Crash points of the checkpoint workflow: SIGKILL the orchestrator right after every named commit
-of ``checkpoints`` and ``checkpoint_members`` that a checkpoint passes through (enumerated from the
-machines, not picked by hand), restart it, and check that the run ends as an uncrashed one does:
-the checkpoint done and published, every participant idle, and every episode finishing with every
-step completed exactly once.
+"""Crash points of the checkpoint, restore, retire and forget workflows: SIGKILL the orchestrator right
+after every named commit of the workflow's rows that a run passes through (enumerated from the
+machines, not picked by hand), restart it, and check the run ends as an uncrashed one does.
 
-The four reference participants are real processes that live through every orchestrator crash;
-each run uses a fresh journal, a fresh checkpoint directory and new episodes.
+- checkpoint: done and published, every participant idle, every episode finishing with every step
+  completed exactly once;
+- restore (into fresh participants, of a checkpoint published by an uncrashed run): done, and every
+  continued episode finishes from its checkpointed boundary — no step run again or lost;
+- retire: done, the retired attempt refused (``stale_attempt``) everywhere; forget: done, accepted again.
+
+The reference participants are real processes that live through every orchestrator crash (a restore
+needs fresh ones, started per run); each run uses a fresh journal.
 """
 
 from __future__ import annotations
@@ -16,30 +20,31 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
 
 from engine.crash import ENV, hook_names
-from journal import Journal, audit, machines, models
+from engine.demo import all_steps, checkpointed_steps
+from journal import Journal, StateMachine, audit, machines, models
 from tests.engine.test_crash_recovery import new_journal_url
 from tests.support.reference_procs import Controller, Procs, Stack, start_stack
+from workers.protocol import EpisodeId
 
 ROOT = Path(__file__).resolve().parents[2]
 KINDS = ("environment", "model", "agent", "resources")
+TURNS = 3
 pytestmark = pytest.mark.slow
 
 
-
-
-async def run_worker(journal_url: str, directory: Path, checkpoint_id: str, stack: Stack,
-                     crash_at: str | None) -> int:
+async def run_worker(journal_url: str, stack: Stack, workflow: str, args: list[str], crash_at: str | None) -> int:
     env = {k: v for k, v in os.environ.items() if k != ENV}
     if crash_at is not None:
         env[ENV] = crash_at
     named = [f"{kind}-0={stack.url(kind)}" for kind in KINDS]
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tests.support.checkpoint_worker", journal_url, str(directory), checkpoint_id, *named,
+        sys.executable, "-m", "tests.support.workflow_worker", journal_url, workflow, *args, "--", *named,
         cwd=ROOT, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     _, err = await asyncio.wait_for(proc.communicate(), timeout=120)
     if proc.returncode not in (0, -signal.SIGKILL):
@@ -47,63 +52,168 @@ async def run_worker(journal_url: str, directory: Path, checkpoint_id: str, stac
     return proc.returncode if proc.returncode is not None else -1
 
 
-async def one_run(journal_url: str, directory: Path, stack: Stack, controller: Controller, tag: str,
-                  crash_at: str | None) -> tuple[set[str], list[int]]:
-    env = stack.url("environment")
-    before = {kind: (await controller.status(stack.url(kind)))["executions"] for kind in KINDS}
-    runs = [asyncio.create_task(controller.run(env, f"{tag}-r{i}", {"prompt": f"{tag} {i}", "turns": 3}))
-            for i in range(2)]
-    await asyncio.sleep(0.3)  # mid-episode
-    codes = [await run_worker(journal_url, directory, f"ck-{tag}", stack, crash_at)]
+async def crashed_then_recovered(journal_url: str, stack: Stack, workflow: str, args: list[str],
+                                 crash_at: str | None) -> list[int]:
+    codes = [await run_worker(journal_url, stack, workflow, args, crash_at)]
     if codes[-1] != 0:
-        codes.append(await run_worker(journal_url, directory, f"ck-{tag}", stack, None))
-    results = await asyncio.gather(*runs)
+        codes.append(await run_worker(journal_url, stack, workflow, args, None))
+    return codes
+
+
+async def edges_of(journal_url: str, kinds: list[str], table: sa.Table, entity_id: str) -> tuple[set[str], Any]:
     journal = Journal.open(journal_url)
     try:
         async with journal.read() as conn:
-            row = (await conn.execute(sa.select(models.checkpoints).where(models.checkpoints.c.id == f"ck-{tag}"))).one()
-            members = (await conn.execute(sa.select(models.checkpoint_members))).all()
             e = models.events
             edges = {f"{k}:created:{b}" if a is None else f"{k}:{a}->{b}" for k, a, b in (await conn.execute(
-                sa.select(e.c.entity_kind, e.c.from_state, e.c.to_state)
-                .where(e.c.entity_kind.in_(["checkpoints", "checkpoint_members"])))).all()}
+                sa.select(e.c.entity_kind, e.c.from_state, e.c.to_state).where(e.c.entity_kind.in_(kinds)))).all()}
+            row = (await conn.execute(sa.select(table).where(table.c.id == entity_id))).one()
         assert await audit.verify(journal) == []
+        return edges, row
     finally:
         await journal.dispose()
-    # The same outcome as an uncrashed run.
+
+
+def targets(reached: set[str], machine_list: list[StateMachine]) -> list[str]:
+    every = hook_names(machine_list)
+    return [h for h in every if h in reached]
+
+
+async def run_and_check(backend: str, request: pytest.FixtureRequest, path: Path, stack: Stack,
+                        workflow: str, args: list[str], crash_at: str | None, kinds: list[str], table: sa.Table
+                        ) -> tuple[set[str], Any, list[int]]:
+    url = await new_journal_url(backend, request, path)
+    codes = await crashed_then_recovered(url, stack, workflow, args, crash_at)
+    edges, row = await edges_of(url, kinds, table, args[0])
+    return edges, row, codes
+
+
+# -- checkpoint -------------------------------------------------------------------------------------
+
+async def checkpoint_run(backend: str, request: pytest.FixtureRequest, tmp_path: Path, stack: Stack,
+                         controller: Controller, tag: str, crash_at: str | None) -> tuple[set[str], list[int]]:
+    env = stack.url("environment")
+    before = {kind: (await controller.status(stack.url(kind)))["executions"] for kind in KINDS}
+    runs = [asyncio.create_task(controller.run(env, f"{tag}-r{i}", {"prompt": f"{tag} {i}", "turns": TURNS}))
+            for i in range(2)]
+    await asyncio.sleep(0.3)  # mid-episode
+    directory = tmp_path / f"ck-{tag}"
+    edges, row, codes = await run_and_check(backend, request, tmp_path / f"{tag}.db", stack, "checkpoint",
+                                            [f"ck-{tag}", str(directory)], crash_at,
+                                            ["checkpoints", "checkpoint_members"], models.checkpoints)
+    results = await asyncio.gather(*runs)
     assert row.state == "done", (crash_at, row.state, row.detail)
     assert (directory / "LATEST").read_text().strip() == f"ck-{tag}"
-    published = json.loads((directory / f"ck-{tag}" / "checkpoint.json").read_text())
-    assert set(published["members"]) == {f"{k}-0" for k in KINDS}
-    assert all(m.state == "resumed" for m in members)
+    assert set(json.loads((directory / f"ck-{tag}" / "checkpoint.json").read_text())["members"]) == {
+        f"{k}-0" for k in KINDS}
     for kind in KINDS:
         status = await controller.status(stack.url(kind))
         assert status["phase"] == "idle", (crash_at, kind, status)
-        # Every step of the run's episodes completed exactly once, crash or not.
         for key, steps in status["executions"].items():
             if key.startswith(f"{tag}-"):
                 assert key not in before[kind] and all(n == 1 for n in steps.values()), (crash_at, kind, key, steps)
-    assert all(len(r["actions"]) == 3 for r in results)
+    assert all(len(r["actions"]) == TURNS for r in results)
     return edges, codes
 
 
 async def test_every_checkpoint_crash_point_recovers(backend: str, request: pytest.FixtureRequest, procs: Procs,
                                                       controller: Controller, tmp_path: Path) -> None:
     stack = await start_stack(procs, {k: tmp_path / "state" / k for k in KINDS}, env_delay=0.1)
-    clean_url = await new_journal_url(backend, request, tmp_path / "clean.db")
-    reached, codes = await one_run(clean_url, tmp_path / "ck-clean", stack, controller, "clean", None)
+    reached, codes = await checkpoint_run(backend, request, tmp_path, stack, controller, "clean", None)
     assert codes == [0]
-    every_hook = hook_names([machines.CHECKPOINTS, machines.CHECKPOINT_MEMBERS])
-    targets = [h for h in every_hook if h in reached]
-    # The happy path: every checkpoint edge from created to done, and every member's.
+    points = targets(reached, [machines.CHECKPOINTS, machines.CHECKPOINT_MEMBERS])
     assert {"checkpoints:committed->published", "checkpoints:resuming->done",
-            "checkpoint_members:committed->resuming"} <= set(targets), sorted(reached)
-    unreached = sorted(set(every_hook) - reached)
-    assert all(any(w in h for w in ("abort", "failed", "not_ready")) or "pending->resuming" in h
-               or "preparing->resuming" in h or "prepared->resuming" in h or "committing->resuming" in h
-               for h in unreached), unreached
-    assert len(targets) >= 15, targets
-    for n, point in enumerate(targets):
-        url = await new_journal_url(backend, request, tmp_path / f"run-{n}.db")
-        _, codes = await one_run(url, tmp_path / f"ck-{n}", stack, controller, f"t{n}", point)
+            "checkpoint_members:committed->resuming"} <= set(points) and len(points) >= 15, points
+    for n, point in enumerate(points):
+        _, codes = await checkpoint_run(backend, request, tmp_path, stack, controller, f"t{n}", point)
         assert codes == [-signal.SIGKILL, 0], f"{point}: the hook did not fire ({codes})"
+
+
+# -- restore ----------------------------------------------------------------------------------------
+
+async def test_every_restore_crash_point_recovers(backend: str, request: pytest.FixtureRequest, procs: Procs,
+                                                   controller: Controller, tmp_path: Path) -> None:
+    # One uncrashed checkpoint of episodes mid-way; its source processes are then SIGKILLed.
+    source = await start_stack(procs, {k: tmp_path / "source" / k for k in KINDS}, env_delay=0.2)
+    tasks = {f"r{i}": {"prompt": f"p{i}", "turns": TURNS} for i in range(2)}
+    runs = [asyncio.create_task(controller.post(source.url("environment"), "/run", {"rollout_id": r, "task": t}))
+            for r, t in tasks.items()]
+    await asyncio.sleep(0.5)
+    directory = tmp_path / "ckpts"
+    _, row, codes = await run_and_check(backend, request, tmp_path / "source.db", source, "checkpoint",
+                                        ["ck-src", str(directory)], None, ["checkpoints"], models.checkpoints)
+    assert codes == [0] and row.state == "done" and row.scope
+    source.kill()
+    for run in runs:
+        run.cancel()
+    done_before = checkpointed_steps(directory / "ck-src")
+    continued = [EpisodeId.from_capture_key(k) for k in row.scope]
+
+    async def restore_run(tag: str, crash_at: str | None) -> tuple[set[str], list[int]]:
+        fresh = await start_stack(procs, {k: tmp_path / tag / k for k in KINDS}, env_delay=0.0)
+        try:
+            edges, row, codes = await run_and_check(backend, request, tmp_path / f"{tag}.db", fresh, "restore",
+                                                    [f"rs-{tag}", str(directory), "ck-src"], crash_at,
+                                                    ["restores"], models.restores)
+            assert row.state == "done", (crash_at, row.state, row.detail)
+            for episode in continued:  # each continues from its boundary: no step again, none lost
+                nxt = episode.next_attempt()
+                await controller.run(fresh.url("environment"), nxt.rollout_id, tasks[nxt.rollout_id], nxt.attempt)
+            ran = (await controller.status(fresh.url("environment")))["executions"]
+            for episode in continued:
+                steps = ran.get(episode.next_attempt().capture_key, {})
+                before = done_before.get(episode.rollout_id, set())
+                assert not set(steps) & before and all(n == 1 for n in steps.values()), (crash_at, steps)
+                assert set(steps) | before == all_steps(TURNS), (crash_at, steps, before)
+            return edges, codes
+        finally:
+            fresh.kill()
+
+    reached, codes = await restore_run("clean", None)
+    assert codes == [0]
+    points = targets(reached, [machines.RESTORES])
+    assert {"restores:created:restoring", "restores:restoring->resuming", "restores:resuming->done"} <= set(points)
+    for n, point in enumerate(points):
+        _, codes = await restore_run(f"t{n}", point)
+        assert codes == [-signal.SIGKILL, 0], f"{point}: the hook did not fire ({codes})"
+
+
+# -- retire and forget ------------------------------------------------------------------------------
+
+async def test_every_retire_and_forget_crash_point_recovers(backend: str, request: pytest.FixtureRequest,
+                                                            procs: Procs, controller: Controller,
+                                                            tmp_path: Path) -> None:
+    stack = await start_stack(procs, {k: tmp_path / "state" / k for k in KINDS}, env_delay=0.1)
+    env = stack.url("environment")
+
+    async def retire_then_forget(tag: str, op: str, crash_at: str | None) -> tuple[set[str], list[int]]:
+        rollout = f"{tag}-{op}"
+        # Long enough (60 steps of 0.1 s) to be still running when the worker retires it.
+        run = asyncio.create_task(controller.post(env, "/run", {"rollout_id": rollout,
+                                                                "task": {"prompt": "p", "turns": 30}}))
+        await asyncio.sleep(0.2)
+        crash = {op: crash_at}
+        edges, row, codes = await run_and_check(backend, request, tmp_path / f"{tag}-{op}.db", stack, "retire",
+                                                [f"rt-{tag}-{op}", rollout, "0"], crash.get("retire"),
+                                                ["retirements"], models.retirements)
+        assert row.state == "done", (crash_at, row.state, row.detail)
+        status, reply = await run
+        assert status == 409 and reply["error"]["code"] == "stale_attempt"
+        refused, reply = await controller.post(env, "/run", {"rollout_id": rollout, "task": {"prompt": "p", "turns": 1}})
+        assert refused == 409 and reply["error"]["code"] == "stale_attempt"
+        edges2, row, codes2 = await run_and_check(backend, request, tmp_path / f"{tag}-{op}-f.db", stack, "forget",
+                                                  [f"fg-{tag}-{op}", rollout], crash.get("forget"),
+                                                  ["retirements"], models.retirements)
+        assert row.state == "done", (crash_at, row.state, row.detail)
+        accepted, reply = await controller.post(env, "/run", {"rollout_id": rollout, "task": {"prompt": "p", "turns": 1}})
+        assert accepted == 200, reply
+        return edges | edges2, codes if op == "retire" else codes2
+
+    reached, codes = await retire_then_forget("clean", "retire", None)
+    assert codes == [0]
+    points = targets(reached, [machines.RETIREMENTS])
+    assert {"retirements:created:queued", "retirements:queued->running", "retirements:running->done"} <= set(points)
+    for n, point in enumerate(points):
+        for op in ("retire", "forget"):
+            _, codes = await retire_then_forget(f"t{n}", op, point)
+            assert codes == [-signal.SIGKILL, 0], f"{op} at {point}: the hook did not fire ({codes})"

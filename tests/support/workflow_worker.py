@@ -1,0 +1,88 @@
+"""Subprocess entry point for the workflow crash harness: run the orchestrator until one workflow ends.
+
+    python -m tests.support.workflow_worker JOURNAL_URL WORKFLOW ARGS... -- NAME=URL...
+
+    checkpoint ID DIR           start checkpoint ID into DIR (if the journal does not hold it yet)
+    restore ID DIR CHECKPOINT   restore CHECKPOINT from DIR as restore ID
+    retire ID ROLLOUT ATTEMPT   retire ROLLOUT up to ATTEMPT as retirement ID
+    forget ID ROLLOUT           forget ROLLOUT as retirement ID
+
+Waits for every named participant to be healthy, starts the workflow if its row does not exist,
+and runs until the row is terminal. ``TIDELOG_CRASH_AT`` (if set) kills it with SIGKILL right after
+that commit. Exit 0 when the row is terminal; 3 on a time-out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from typing import Any
+
+import sqlalchemy as sa
+
+from engine.clock import SystemClock
+from engine.config import Settings
+from engine.controllers.checkpoint import start_checkpoint
+from engine.controllers.restore import resolve_checkpoint, start_restore
+from engine.controllers.retirement import request_retirement
+from engine.service import Orchestrator, open_journal
+from journal import WriteTx, models
+from journal.writes import to_row
+from tests.support.reference_procs import TOKEN
+from workers.protocol import EpisodeId
+
+TABLES = {"checkpoint": models.checkpoints, "restore": models.restores, "retire": models.retirements,
+          "forget": models.retirements}
+TERMINAL = ("done", "aborted", "failed")
+
+
+async def main(journal_url: str, workflow: str, args: list[str], participants: dict[str, str]) -> int:
+    settings = Settings.model_validate({
+        "journal": {"url": journal_url},
+        "orchestrator": {"lease_ttl_s": 1.0, "lease_renew_s": 0.25, "shutdown_grace_s": 2},
+        "reconciler": {"resync_interval_s": 5},
+        "dispatcher": {"poll_s": 0.2, "backoff_base_s": 0.05, "backoff_cap_s": 0.2},
+        "control": {"token": TOKEN},
+        "discovery": {"probe_timeout_s": 2, "probe_tries": 2, "interval_s": 60},
+        "checkpoint": {"prepare_timeout_s": 10, "commit_timeout_s": 20, "resume_timeout_s": 10,
+                       "restore_timeout_s": 30, "retire_timeout_s": 20},
+        "participants": [{"name": n, "url": u} for n, u in participants.items()],
+        "logging": {"level": "WARNING"},
+    })
+    clock = SystemClock()
+    journal = open_journal(settings, clock)
+    orch = Orchestrator(settings, journal=journal, clock=clock)
+    await orch.start()
+    p, t, entity_id = models.participants, TABLES[workflow], args[0]
+    try:
+        for _ in range(1200):
+            async with journal.read() as conn:
+                row = (await conn.execute(sa.select(t.c.state).where(t.c.id == entity_id))).first()
+                healthy = (await conn.execute(sa.select(p).where(p.c.state == "healthy"))).all()
+            if row is not None and row.state in TERMINAL:
+                return 0
+            if row is None and len(healthy) == len(participants) and orch.is_leader:
+                members = [to_row("participants", r._mapping) for r in healthy]
+                await orch.committer.run(lambda tx: start(tx, workflow, args, members))
+            await asyncio.sleep(0.05)
+        return 3
+    finally:
+        await orch.stop()
+
+
+async def start(tx: WriteTx, workflow: str, args: list[str], members: list[Any]) -> None:
+    if workflow == "checkpoint":
+        await start_checkpoint(tx, args[0], args[1], members, max_tries=1)
+    elif workflow == "restore":
+        checkpoint_id, scope = resolve_checkpoint(args[1], args[2])
+        await start_restore(tx, args[0], args[1], checkpoint_id, scope)
+    elif workflow == "retire":
+        await request_retirement(tx, args[0], "retire", episodes=[EpisodeId(rollout_id=args[1], attempt=int(args[2]))])
+    else:
+        await request_retirement(tx, args[0], "forget", rollout_ids=[args[1]])
+
+
+if __name__ == "__main__":
+    split = sys.argv.index("--")
+    named = dict(arg.split("=", 1) for arg in sys.argv[split + 1:])
+    raise SystemExit(asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3:split], named)))
