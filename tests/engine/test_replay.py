@@ -147,8 +147,9 @@ async def test_replay_after_the_orchestrator_is_killed_mid_checkpoint(
         journal_url: str, procs: Procs, tmp_path: Path) -> None:
     stack = await start_stack(procs, state_dirs(tmp_path / "state"), env_delay=0.1)
     # SIGKILL right after the checkpoint moved to committing, then a clean restart finishes it.
-    codes = [await run_worker(journal_url, tmp_path / "ckpts", "ck-crash", stack, "checkpoints:prepared->committing")]
-    codes.append(await run_worker(journal_url, tmp_path / "ckpts", "ck-crash", stack, None))
+    args = ["ck-crash", str(tmp_path / "ckpts")]
+    codes = [await run_worker(journal_url, stack, "checkpoint", args, "checkpoints:prepared->committing")]
+    codes.append(await run_worker(journal_url, stack, "checkpoint", args, None))
     assert codes == [-signal.SIGKILL, 0]
     assert (tmp_path / "ckpts" / "LATEST").read_text().strip() == "ck-crash"
 
