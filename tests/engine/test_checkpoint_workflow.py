@@ -6,51 +6,22 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 
-from engine.config import Settings
 from engine.controllers.checkpoint import start_checkpoint
 from engine.service import Orchestrator
 from journal import audit, models
 from tests.support.audit_sql import queries
-from tests.support.reference_procs import TOKEN, Controller, Procs, Stack, start_stack
+from tests.support.reference_procs import Controller, Procs, start_stack
+from tests.support.workflows import settings, table, until
 
 pytestmark = pytest.mark.slow
 
 
-
-
-def settings(journal_url: str, stack: Stack, **checkpoint: float) -> Settings:
-    return Settings.model_validate({
-        "checkpoint": {"commit_timeout_s": 20, "resume_timeout_s": 10, **checkpoint},
-        "journal": {"url": journal_url},
-        "orchestrator": {"lease_ttl_s": 5, "lease_renew_s": 1, "shutdown_grace_s": 1},
-        "control": {"token": TOKEN},
-        "discovery": {"probe_timeout_s": 2, "probe_tries": 2, "interval_s": 60},
-        "participants": [{"name": f"{kind}-0", "url": stack.url(kind)}
-                         for kind in ("environment", "model", "agent", "resources")],
-        "logging": {"level": "WARNING"},
-    })
-
-
-async def table(orch: Orchestrator, t: sa.Table) -> dict[str, Any]:
-    async with orch.journal.read() as conn:
-        return {r.id: dict(r._mapping) for r in (await conn.execute(sa.select(t))).all()}
-
-
-async def until(check: Any, timeout: float = 30.0) -> Any:
-    end = time.monotonic() + timeout
-    while True:
-        value = await check()
-        if value:
-            return value
-        assert time.monotonic() < end, "timed out"
-        await asyncio.sleep(0.05)
 
 
 async def audit_query(orch: Orchestrator, name: str, **params: str) -> list[dict[str, Any]]:
