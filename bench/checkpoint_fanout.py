@@ -390,12 +390,13 @@ class Diagnosis:
     """
 
     #: (module, class or None, attribute). A module-level function is wrapped where the checkpoint
-    #: controller looks it up; targets the engine no longer has are skipped.
+    #: controller looks it up; targets the engine no longer has (or no longer as coroutines) are skipped.
     TARGETS = (("engine.controllers.checkpoint", "CheckpointController", "reconcile"),
                ("engine.controllers.checkpoint", "CheckpointController", "_members"),
-               ("engine.controllers.checkpoint", "CheckpointController", "_intents"),
                ("engine.controllers.checkpoint", None, "read_calls"),
-               ("engine.controllers.checkpoint", "CheckpointController", "_fan_out"),
+               ("engine.controllers.checkpoint", None, "call_states"),
+               ("engine.controllers.checkpoint", "CheckpointController", "_settled"),
+               ("engine.controllers.checkpoint", "CheckpointController", "_write"),
                ("journal.outbox", None, "ensure"), ("journal.outbox", None, "claim_due"),
                ("journal.outbox", None, "succeed"), ("journal.outbox", None, "next_due"))
 
@@ -406,10 +407,11 @@ class Diagnosis:
     def install(self) -> None:
         import functools
         import importlib
+        import inspect
         for module, cls, name in self.TARGETS:
             owner = getattr(importlib.import_module(module), cls) if cls else importlib.import_module(module)
             original = getattr(owner, name, None)
-            if original is None:
+            if original is None or not inspect.iscoroutinefunction(original):
                 continue
             label = f"{cls or module.rsplit('.', 1)[-1]}.{name}"
             stats = self.stats.setdefault(label, [0, 0.0])

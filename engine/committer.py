@@ -71,6 +71,26 @@ class GroupCommitter:
         """
         return await self._submit(_Submission(ops=ops))  # type: ignore[no-any-return]
 
+    async def apply_each(self, ops: Sequence[Op]) -> list[Committed | None | Exception]:
+        """Apply each operation as its own group (one may fail alone), all in the same commit.
+
+        Returns, per operation, what it committed or the exception that refused it
+        (a :class:`StaleRow` for a row another writer moved first).
+        """
+        if not ops:
+            return []
+        subs = [_Submission(ops=(op,)) for op in ops]
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._loop(), name="tidelog-group-commit")
+        self._pending.extend(subs)
+        self._wake.set()
+        out: list[Committed | None | Exception] = []
+        for got in await asyncio.gather(*(sub.future for sub in subs), return_exceptions=True):
+            if isinstance(got, BaseException) and not isinstance(got, Exception):
+                raise got
+            out.append(got if isinstance(got, Exception) else got[0])
+        return out
+
     async def _submit(self, sub: _Submission) -> Any:
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._loop(), name="tidelog-group-commit")

@@ -21,10 +21,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from journal import Fence, Journal, LeaseLost, StaleRow, WriteTx, outbox
+from journal import Fence, Journal, LeaseLost, StaleRow, Transition, outbox
 from journal.writes import Row
 
 from .clock import Clock
@@ -35,6 +36,8 @@ from .rpc import RemoteError, RpcClient, RpcError, TransportError
 log = logging.getLogger("tidelog.dispatcher")
 
 OnDone = Callable[[str, str], None]
+#: Shared bodies kept in memory (a fan-out needs one; a few fan-outs may overlap).
+BODY_CACHE = 64
 
 
 class Dispatcher:
@@ -56,6 +59,9 @@ class Dispatcher:
         self._metrics = metrics or Metrics()
         self._wake = asyncio.Event()
         self._calls: set[asyncio.Task[None]] = set()
+        # Shared bodies by id (content-addressed, so never stale); the bytes every call of a fan-out sends.
+        self._bodies: OrderedDict[str, bytes] = OrderedDict()
+        self._reading: dict[str, asyncio.Future[bytes]] = {}
 
     def wake(self) -> None:
         self._wake.set()
@@ -109,10 +115,7 @@ class Dispatcher:
         if limit <= 0:
             return False
 
-        async def claim(tx: WriteTx) -> list[Row]:
-            return await outbox.claim_due(tx, limit=limit)
-
-        claiming = asyncio.ensure_future(self._committer.run(claim))
+        claiming = asyncio.ensure_future(self._claim(limit))
         try:
             claimed = await asyncio.shield(claiming)
         except asyncio.CancelledError:
@@ -125,6 +128,18 @@ class Dispatcher:
             raise
         self._start(claimed)
         return len(claimed) == limit
+
+    async def _claim(self, limit: int) -> list[Row]:
+        """Read what is due, then claim each row with its own compare-and-set, all in one commit
+        (on PostgreSQL one statement). A row moved meanwhile is stale and skipped."""
+        async with self._journal.read() as conn:
+            rows = await outbox.due(conn, self._clock.now(), limit=limit)
+        outcomes = await self._committer.apply_each([outbox.claim(r) for r in rows])
+        claimed = [outbox.claimed(r) for r, got in zip(rows, outcomes) if not isinstance(got, Exception)]
+        errors = [got for got in outcomes if isinstance(got, Exception) and not isinstance(got, StaleRow)]
+        if errors and not claimed:
+            raise errors[0]  # fenced off or the database failed: the run loop logs it and waits
+        return claimed
 
     def _start(self, claimed: list[Row]) -> None:
         for row in claimed:
@@ -154,6 +169,30 @@ class Dispatcher:
             waker.cancel()
             sleeper.cancel()
 
+    async def _content(self, body_id: str) -> bytes:
+        """The bytes of a shared body, read once per id (calls of one fan-out wait on the same read)."""
+        cached = self._bodies.get(body_id)
+        if cached is not None:
+            self._bodies.move_to_end(body_id)
+            return cached
+        reading = self._reading.get(body_id)
+        if reading is None:
+            reading = self._reading[body_id] = asyncio.ensure_future(self._read_body(body_id))
+        return await asyncio.shield(reading)
+
+    async def _read_body(self, body_id: str) -> bytes:
+        try:
+            async with self._journal.read() as conn:
+                found = await outbox.read_bodies(conn, [body_id])
+        finally:
+            self._reading.pop(body_id, None)
+        if body_id not in found:
+            raise LookupError(f"shared rpc body {body_id[:12]} is not in rpc_bodies")
+        self._bodies[body_id] = found[body_id]
+        while len(self._bodies) > BODY_CACHE:
+            self._bodies.popitem(last=False)
+        return found[body_id]
+
     async def _call(self, row: Row) -> None:
         owner = (row["entity_kind"], row["entity_id"])
         async with self._sem:
@@ -163,9 +202,18 @@ class Dispatcher:
                 return
             started = time.perf_counter()
             try:
+                content = None if row["body_id"] is None else await self._content(row["body_id"])
+            except Exception as exc:  # noqa: BLE001 - a database error or a missing body
+                # Nothing was sent: retried like a connection refused while attempts remain.
+                log.warning("shared body of rpc %s unavailable: %s", row.id[:12], exc)
+                await self._record_error(row, TransportError(row["target"], row["method"], row["path"],
+                                                             f"shared body unavailable: {exc}", sent=False))
+                self._on_done(*owner)
+                return
+            try:
                 result = await self._rpc.call(
                     row["target"], row["method"], row["path"], row["body"], timeout_s=row["timeout_s"],
-                    idempotency_key=row.id, pool=row["pool"], repeatable=row["repeatable"])
+                    idempotency_key=row.id, pool=row["pool"], repeatable=row["repeatable"], content=content)
             except RpcError as exc:
                 self._metrics.rpc_calls.inc(method=row["path"], outcome=type(exc).__name__)
                 self._metrics.rpc_seconds.observe(time.perf_counter() - started, method=row["path"])
@@ -173,11 +221,7 @@ class Dispatcher:
             else:
                 self._metrics.rpc_calls.inc(method=row["path"], outcome="ok")
                 self._metrics.rpc_seconds.observe(time.perf_counter() - started, method=row["path"])
-
-                async def record(tx: WriteTx) -> None:
-                    await outbox.succeed(tx, row, result)
-
-                await self._record(record, row)
+                await self._record(outbox.succeeded(row, result), row)
         self._on_done(*owner)
 
     async def _record_error(self, row: Row, exc: RpcError) -> None:
@@ -185,39 +229,25 @@ class Dispatcher:
         attempts: int = row["attempts"]
         if isinstance(exc, RemoteError) and not exc.retryable:
             reason = f"remote refused: HTTP {exc.status} {exc.code or ''}".rstrip()
-
-            async def fail(tx: WriteTx) -> None:
-                await outbox.fail(tx, row, error, reason=reason)
-
-            await self._record(fail, row)
+            await self._record(outbox.failed(row, error, reason=reason), row)
             return
         maybe_sent = exc.sent if isinstance(exc, TransportError) else True
         if not row["repeatable"] and maybe_sent:
-            async def ambiguous(tx: WriteTx) -> None:
-                await tx.transition(outbox.KIND, row.id, from_state="inflight", version=row.version,
-                                    to_state="ambiguous", reason=f"not safe to repeat and outcome unknown: {exc}",
-                                    changes={"error": error})
-
-            await self._record(ambiguous, row)
+            await self._record(Transition(outbox.KIND, row.id, "inflight", row.version, "ambiguous",
+                                          f"not safe to repeat and outcome unknown: {exc}", {"error": error}), row)
             return
         if attempts >= row["max_attempts"]:
-            async def give_up(tx: WriteTx) -> None:
-                await outbox.fail(tx, row, error, reason=f"gave up after {attempts} attempts: {exc}")
-
-            await self._record(give_up, row)
+            await self._record(outbox.failed(row, error, reason=f"gave up after {attempts} attempts: {exc}"), row)
             return
         at = self._clock.now() + outbox.backoff(attempts, base_s=self._backoff[0], cap_s=self._backoff[1])
+        await self._record(outbox.retried(row, error, at=at), row)
 
-        async def later(tx: WriteTx) -> None:
-            await outbox.retry_later(tx, row, error, at=at)
-
-        await self._record(later, row)
-
-    async def _record(self, fn: Callable[[WriteTx], Any], row: Row, *, tries: int = 5) -> None:
+    async def _record(self, op: Transition, row: Row, *, tries: int = 5) -> None:
+        """Record an outcome (one compare-and-set, group-committed with other outcomes)."""
         delay = 0.1
         for attempt in range(1, tries + 1):
             try:
-                await self._committer.run(fn)
+                await self._committer.apply(op)
                 return
             except StaleRow as exc:
                 # Another orchestrator (after a take-over) settled this intent first.

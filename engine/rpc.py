@@ -6,7 +6,7 @@
 - Every call carries ``Authorization: Bearer``, the fencing epoch
   (``X-Tidelog-Epoch``) and, for outbox calls, the intent id as
   ``Idempotency-Key``.
-- Every call has a deadline; retries (tenacity) happen only on transport
+- Every call has a deadline; retries (exponential backoff) happen only on transport
   errors and only inside that deadline. A call that is not safe to repeat is
   retried only when the connection was never made, so the request cannot
   have reached the server.
@@ -25,7 +25,6 @@ from typing import Any, Literal
 import aiohttp
 import orjson
 from yarl import URL
-from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, stop_after_delay, wait_exponential
 
 Pool = Literal["control", "data"]
 
@@ -113,6 +112,7 @@ class RpcClient:
         self._tries = transport_tries
         self._backoff = retry_backoff_s
         self._sessions: dict[str, aiohttp.ClientSession] = {}
+        self._urls: dict[tuple[str, str], URL] = {}
 
     async def start(self) -> None:
         for pool, (limit, per_host) in self._limits.items():
@@ -125,6 +125,16 @@ class RpcClient:
         sessions, self._sessions = self._sessions, {}
         for s in sessions.values():
             await s.close()
+
+    def _url(self, target: str, path: str) -> URL:
+        """``target + path`` parsed once: a fan-out calls the same few URLs again and again."""
+        key = (target, path)
+        url = self._urls.get(key)
+        if url is None:
+            if len(self._urls) >= 4096:
+                self._urls.clear()
+            url = self._urls[key] = URL(target.rstrip("/") + path)
+        return url
 
     def headers(self, idempotency_key: str | None) -> dict[str, str]:
         h = {"Accept": "application/json"}
@@ -139,8 +149,11 @@ class RpcClient:
 
     async def call(self, target: str, method: str, path: str, body: Any = None, *, timeout_s: float,
                    idempotency_key: str | None = None, pool: Pool = "control", repeatable: bool = True,
-                   tries: int | None = None) -> Any:
+                   tries: int | None = None, content: bytes | None = None) -> Any:
         """Call ``method target+path`` and return the parsed JSON reply (``None`` for an empty one).
+
+        The request body is ``body`` encoded as JSON, or ``content``: JSON bytes sent as
+        they are (a shared body, encoded once for every call of a fan-out).
 
         Raises :class:`TransportError`/:class:`CallTimeout` when no reply came
         within ``timeout_s`` over at most ``tries`` attempts, and
@@ -151,11 +164,13 @@ class RpcClient:
         if not self._sessions:
             await self.start()
         session = self._sessions[pool]
-        data = None if body is None else encode_body(body)
+        if content is not None and body is not None:
+            raise ValueError("pass a body or its encoded content, not both")
+        data = content if content is not None else None if body is None else encode_body(body)
         headers = self.headers(idempotency_key)
         if data is not None:
             headers["Content-Type"] = "application/json"
-        url = target.rstrip("/") + path
+        url = self._url(target, path)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
 
@@ -196,11 +211,19 @@ class RpcClient:
                 raise TransportError(target, method, path, f"{type(exc).__name__}: {exc}", sent=True) from None
             return self._decode(target, method, path, status, raw)
 
-        retrying = AsyncRetrying(
-            stop=stop_after_attempt(tries or self._tries) | stop_after_delay(timeout_s),
-            wait=wait_exponential(multiplier=self._backoff, max=max(self._backoff, 2.0)),
-            retry=retry_if_exception(worth_retrying), reraise=True)
-        return await retrying(attempt)
+        # Retries with exponential backoff, on transport errors only (see worth_retrying), within
+        # the call's deadline: a plain loop, since a control call is on the checkpoint's hot path.
+        limit = tries or self._tries
+        started = loop.time()
+        n = 0
+        while True:
+            n += 1
+            try:
+                return await attempt()
+            except RpcError as exc:
+                if n >= limit or not worth_retrying(exc) or loop.time() - started >= timeout_s:
+                    raise
+            await asyncio.sleep(min(self._backoff * 2 ** (n - 1), max(self._backoff, 2.0)))
 
     @staticmethod
     def _decode(target: str, method: str, path: str, status: int, raw: bytes) -> Any:

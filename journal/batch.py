@@ -107,13 +107,23 @@ async def _apply(tx: WriteTx, groups: Sequence[Sequence[Op]]) -> list[Outcome | 
     errors: dict[int, Exception] = {}
     flat = [(g, k, op, prep) for g, ops in enumerate(prepared) if ops is not None
             for k, (op, prep) in enumerate(zip(groups[g], ops))]
-    for g, k, op, prep in flat:
-        if g in errors:
+    from .writes import runs
+
+    for start, end in runs([op for _, _, op, _ in flat]):
+        span = flat[start:end]
+        # A run of one shape goes at once (SQLite executemany, PostgreSQL one statement) when every
+        # row in it is written; else one by one.
+        if end - start > 1 and not any(g in errors for g, _, _, _ in span) and await tx.execute_prepared_many(
+                [op for _, _, op, _ in span], [prep for _, _, _, prep in span]):
+            done.update({(g, k): True for g, k, _, _ in span})
             continue
-        try:
-            done[(g, k)] = await tx.execute_prepared(op, prep)
-        except (StaleRow, DuplicateEntity) as exc:
-            errors[g] = exc
+        for g, k, op, prep in span:
+            if g in errors:
+                continue
+            try:
+                done[(g, k)] = await tx.execute_prepared(op, prep)
+            except (StaleRow, DuplicateEntity) as exc:
+                errors[g] = exc
     for g, ops in enumerate(prepared):
         if ops is None:
             continue

@@ -62,6 +62,41 @@ def eligible(journal: Journal, groups: Sequence[Sequence[Any]]) -> tuple[str, tu
 
 
 @lru_cache(maxsize=128)
+def create_statement(table: sa.Table, rows: int) -> sa.TextClause:
+    """``rows`` creates of ``table`` and their events: ``WITH v AS (VALUES …), r AS (INSERT … ON
+    CONFLICT (id) DO NOTHING RETURNING id), ev AS (INSERT INTO events …) SELECT entity_id FROM ev``.
+
+    Parameters per row ``i``: every column as ``<column>_i``, ``e_reason_i``, ``e_payload_i``,
+    ``ord_i``; shared: ``now``, ``kind``, ``actor``, ``epoch``. A row whose id exists is left
+    alone and gets no event (so fewer ids come back).
+    """
+    c = table.c
+    ev = models.events.c
+    names = list(c.keys())
+    value_cols = [*names, "e_reason", "e_payload", "ord"]
+    types: dict[str, Any] = {**{n: c[n].type for n in names}, "e_reason": ev.reason.type,
+                             "e_payload": ev.payload.type, "ord": sa.Integer()}
+    tuples = ", ".join("(" + ", ".join(f":{name}_{i}" for name in value_cols) + ")" for i in range(rows))
+    cols = ", ".join(names)
+    sql = (f"WITH v ({', '.join(value_cols)}) AS (VALUES {tuples}), "
+           f"r AS (INSERT INTO {table.name} ({cols}) SELECT {cols} FROM v ON CONFLICT (id) DO NOTHING "
+           f"RETURNING id), "
+           f"ev AS (INSERT INTO events ({', '.join(_EVENT_COLS)}) "
+           f"SELECT :kind, v.id, NULL, v.state, 1, v.e_reason, :actor, :epoch, v.e_payload, :now "
+           f"FROM r JOIN v ON v.id = r.id ORDER BY v.ord RETURNING entity_id) "
+           f"SELECT entity_id FROM ev")
+    binds = [sa.bindparam(f"{name}_{i}", type_=types[name]) for i in range(rows) for name in value_cols]
+    binds += [sa.bindparam("now", type_=ev.ts.type), sa.bindparam("kind", type_=ev.entity_kind.type),
+              sa.bindparam("actor", type_=ev.actor.type), sa.bindparam("epoch", type_=ev.epoch.type)]
+    return sa.text(sql).bindparams(*binds)
+
+
+def transition_statement(table: sa.Table, columns: tuple[str, ...], rows: int, fenced: bool) -> sa.TextClause:
+    """``rows`` compare-and-set transitions setting ``columns`` and their events, in one statement."""
+    return _statement(table, columns, rows, fenced)
+
+
+@lru_cache(maxsize=128)
 def _statement(table: sa.Table, columns: tuple[str, ...], rows: int, fenced: bool) -> sa.TextClause:
     c = table.c
     ev = models.events.c

@@ -67,6 +67,16 @@ leases = sa.Table(
     sa.Column("renewed_at", UTCDateTime(), nullable=False),
 )
 
+# Request bodies a fan-out shares, stored once as the exact JSON text every call of it sends.
+# Content-addressed (``id`` is the SHA-256 of ``content``) and never changed: not an entity.
+rpc_bodies = sa.Table(
+    "rpc_bodies",
+    metadata,
+    sa.Column("id", sa.String(64), primary_key=True),
+    sa.Column("content", sa.Text, nullable=False),
+    sa.Column("created_at", UTCDateTime(), nullable=False),
+)
+
 rpc_calls = sa.Table(
     "rpc_calls",
     metadata,
@@ -77,6 +87,8 @@ rpc_calls = sa.Table(
     sa.Column("method", sa.String(8), nullable=False),
     sa.Column("path", sa.Text, nullable=False),
     sa.Column("body", JSONValue(), nullable=True),
+    # Or the id of a shared body in ``rpc_bodies`` (then ``body`` is NULL): a fan-out's calls all send it.
+    sa.Column("body_id", sa.String(64), nullable=True),
     sa.Column("timeout_s", sa.Float, nullable=False),
     # False for calls that must never be sent twice (an optimizer step).
     sa.Column("repeatable", sa.Boolean, nullable=False),

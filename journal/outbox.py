@@ -8,19 +8,27 @@ yields the same intent (and the same idempotency key on the wire), never two.
 
 Every change of an intent's state goes through the transition primitive, so
 the dispatcher's work is in the audit log like everything else.
+
+A fan-out shares one request body among its intents (:class:`Body`): the body is
+encoded once, stored once in ``rpc_bodies`` under the SHA-256 of its bytes, and
+each intent references it (``body_id``), so every target receives the same bytes.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
 
 from . import models
+from .batch import Create, Transition
+from .types import dumps
 from .writes import Row, WriteTx, to_row
 
 Pool = Literal["control", "data"]
@@ -35,6 +43,26 @@ def intent_id(owner_kind: str, owner_id: str, owner_state: str, owner_version: i
 
 
 @dataclass(frozen=True)
+class Body:
+    """A request body encoded once: the exact bytes every intent that references it sends.
+
+    ``id`` is the SHA-256 of ``content``, so equal bodies are stored once and a
+    stored body never changes.
+    """
+
+    content: bytes
+
+    @property
+    def id(self) -> str:
+        return hashlib.sha256(self.content).hexdigest()
+
+    @classmethod
+    def of(cls, value: Any) -> Body:
+        """Encode ``value`` as compact JSON (refuses NaN and what JSON cannot hold)."""
+        return cls(dumps(value).encode())
+
+
+@dataclass(frozen=True)
 class Intent:
     """What a controller wants called; turned into a ``pending`` row by :func:`ensure`."""
 
@@ -46,6 +74,8 @@ class Intent:
     method: str
     path: str
     body: Any = None
+    #: A shared body (then ``body`` must be ``None``): stored once, referenced by ``body_id``.
+    shared: Body | None = None
     timeout_s: float = 10.0
     repeatable: bool = True
     pool: Pool = "control"
@@ -63,27 +93,99 @@ class Intent:
 
 
 async def ensure(tx: WriteTx, intent: Intent, *, reason: str) -> str:
-    """Create the intent if it does not exist yet; return its id either way."""
-    if intent.timeout_s <= 0:
-        raise ValueError(f"rpc timeout_s must be > 0, got {intent.timeout_s}")
-    if intent.max_attempts < 1:
-        raise ValueError(f"rpc max_attempts must be >= 1, got {intent.max_attempts}")
-    await tx.create(KIND, intent.id, reason=reason, if_absent=True, values={
+    """Create the intent (and its shared body) if it does not exist yet; return its id either way."""
+    await ensure_all(tx, [(intent, reason)])
+    return intent.id
+
+
+async def ensure_all(tx: WriteTx, intents: Sequence[tuple[Intent, str]]) -> None:
+    """Create each ``(intent, reason)`` that does not exist yet; each shared body is stored once.
+
+    Raises ``ValueError`` before anything is written for a timeout or an attempt
+    limit out of range, or an intent with both a body and a shared body.
+    """
+    for intent, _ in intents:
+        if intent.timeout_s <= 0:
+            raise ValueError(f"rpc timeout_s must be > 0, got {intent.timeout_s}")
+        if intent.max_attempts < 1:
+            raise ValueError(f"rpc max_attempts must be >= 1, got {intent.max_attempts}")
+        if intent.shared is not None and intent.body is not None:
+            raise ValueError("an rpc intent has either a body or a shared body, not both")
+    bodies = {i.shared.id: i.shared for i, _ in intents if i.shared is not None}
+    for body_id, body in bodies.items():
+        await tx.execute(_insert_body_stmt(tx.journal.backend),
+                         {"id": body_id, "content": body.content.decode(), "created_at": tx.now})
+    # One create per intent, written together (a run of creates is one statement on both backends).
+    await tx.apply([Create(KIND, intent.id, reason, {
         "entity_kind": intent.owner_kind, "entity_id": intent.owner_id, "target": intent.target,
         "method": intent.method.upper(), "path": intent.path, "body": intent.body,
+        "body_id": None if intent.shared is None else intent.shared.id,
         "timeout_s": float(intent.timeout_s), "repeatable": intent.repeatable, "pool": intent.pool,
         "attempts": 0, "max_attempts": intent.max_attempts, "next_attempt_at": tx.now,
         "result": None, "error": None,
-    })
-    return intent.id
+    }, if_absent=True) for intent, reason in intents])
+
+
+@lru_cache(maxsize=2)
+def _insert_body_stmt(backend: str) -> sa.Insert:
+    t = models.rpc_bodies
+    if backend == "postgresql":
+        return postgresql.insert(t).on_conflict_do_nothing(index_elements=["id"])
+    # A plain insert with a prefix keeps SQLAlchemy's compiled-statement cache (the dialect insert does not).
+    return sa.insert(t).prefix_with("OR IGNORE")
+
+
+async def read_bodies(conn: Any, body_ids: Iterable[str]) -> dict[str, bytes]:
+    """The stored shared bodies of ``body_ids`` (those that exist), as the bytes to send."""
+    wanted = sorted(set(body_ids))
+    if not wanted:
+        return {}
+    t = models.rpc_bodies
+    rows = (await conn.execute(sa.select(t.c.id, t.c.content).where(t.c.id.in_(wanted)))).all()
+    return {r.id: r.content.encode() for r in rows}
 
 
 async def get(tx: WriteTx, call_id: str) -> Row | None:
     return await tx.get(KIND, call_id)
 
 
+async def due(conn: Any, now: datetime, *, limit: int) -> list[Row]:
+    """Up to ``limit`` ``pending`` intents due at ``now``, earliest first (a read; claim them with
+    :func:`claim`, each a compare-and-set, so a row another claimer took is simply stale)."""
+    t = models.rpc_calls
+    stmt = (sa.select(t).where(t.c.state == "pending", t.c.next_attempt_at <= now)
+            .order_by(t.c.next_attempt_at, t.c.id).limit(limit))
+    return [to_row(KIND, r._mapping) for r in (await conn.execute(stmt)).all()]
+
+
+def claim(row: Row) -> Transition:
+    """``pending -> inflight``, counting the attempt."""
+    attempts = row["attempts"] + 1
+    return Transition(KIND, row.id, "pending", row.version, "inflight",
+                      f"attempt {attempts} of {row['max_attempts']}", {"attempts": attempts})
+
+
+def claimed(row: Row) -> Row:
+    """``row`` as :func:`claim` leaves it."""
+    return Row(KIND, row.id, "inflight", row.version + 1, {**row.values, "attempts": row["attempts"] + 1})
+
+
+def succeeded(call: Row, result: Any) -> Transition:
+    return Transition(KIND, call.id, call.state, call.version, "succeeded", "call succeeded",
+                      {"result": result, "error": None})
+
+
+def failed(call: Row, error: Mapping[str, Any], *, reason: str) -> Transition:
+    return Transition(KIND, call.id, call.state, call.version, "failed", reason, {"error": dict(error)})
+
+
+def retried(call: Row, error: Mapping[str, Any], *, at: datetime) -> Transition:
+    return Transition(KIND, call.id, "inflight", call.version, "pending",
+                      f"transport error, retry at {at.isoformat()}", {"error": dict(error), "next_attempt_at": at})
+
+
 async def claim_due(tx: WriteTx, *, limit: int) -> list[Row]:
-    """Move up to ``limit`` due ``pending`` intents to ``inflight`` and return them.
+    """Move up to ``limit`` due ``pending`` intents to ``inflight`` inside ``tx`` and return them.
 
     PostgreSQL uses ``FOR UPDATE SKIP LOCKED`` so concurrent claimers never
     take the same intent; SQLite has one writer at a time anyway.
@@ -93,30 +195,20 @@ async def claim_due(tx: WriteTx, *, limit: int) -> list[Row]:
             .order_by(t.c.next_attempt_at, t.c.id).limit(limit)
             .with_for_update(skip_locked=True))
     rows = [to_row(KIND, r._mapping) for r in (await tx.execute(stmt)).all()]
-    claimed = []
-    for row in rows:
-        attempts = row["attempts"] + 1
-        await tx.transition(KIND, row.id, from_state="pending", version=row.version, to_state="inflight",
-                            reason=f"attempt {attempts} of {row['max_attempts']}",
-                            changes={"attempts": attempts})
-        claimed.append(Row(KIND, row.id, "inflight", row.version + 1, {**row.values, "attempts": attempts}))
-    return claimed
+    await tx.apply([claim(row) for row in rows])
+    return [claimed(row) for row in rows]
 
 
 async def succeed(tx: WriteTx, call: Row, result: Any) -> None:
-    await tx.transition(KIND, call.id, from_state=call.state, version=call.version, to_state="succeeded",
-                        reason="call succeeded", changes={"result": result, "error": None})
+    await tx.apply([succeeded(call, result)])
 
 
 async def fail(tx: WriteTx, call: Row, error: Mapping[str, Any], *, reason: str) -> None:
-    await tx.transition(KIND, call.id, from_state=call.state, version=call.version, to_state="failed",
-                        reason=reason, changes={"error": dict(error)})
+    await tx.apply([failed(call, error, reason=reason)])
 
 
 async def retry_later(tx: WriteTx, call: Row, error: Mapping[str, Any], *, at: datetime) -> None:
-    await tx.transition(KIND, call.id, from_state="inflight", version=call.version, to_state="pending",
-                        reason=f"transport error, retry at {at.isoformat()}",
-                        changes={"error": dict(error), "next_attempt_at": at})
+    await tx.apply([retried(call, error, at=at)])
 
 
 async def recover_inflight(tx: WriteTx) -> list[Row]:

@@ -7,6 +7,12 @@ checkpoint at its current state and version, so reconciling the same state
 again finds the same intents, never new ones, and a completed call wakes the
 checkpoint.
 
+A step (a prepare stage, a commit wave, a resume stage) sends one body, encoded
+and stored once, to all its members. Once every call of a step has settled, one
+transaction records the members' answers, moves the checkpoint, and writes the
+next step's calls (planned on the rows as that transaction leaves them, so they
+are the intents a reconcile of the new state would write).
+
 - ``preparing`` — one stage at a time (environment, model, agent, resources):
   prepare every member of the stage with the stage's deadline. All prepared:
   the next stage (a self-edge, so the next stage's intents are new), or
@@ -33,19 +39,19 @@ import asyncio
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
 
-from journal import Transition, WriteTx, models, outbox
-from journal.writes import Row, to_row
-from workers.protocol import CONTROL_PREFIX, EpisodeId
+from journal import Transition, WriteTx, machines, models, outbox
+from journal.writes import Row
+from workers.protocol import EpisodeId
 
 from ..reconciler import Context, Result
-from .fanout import describe_error, read_calls, timings
+from .fanout import SETTLED, call_states, control_intent, describe_error, read_calls, timings
 from .retirement import KIND as RETIREMENTS
 from .retirement import request_retirement
 
@@ -55,6 +61,10 @@ MEMBERS = "checkpoint_members"
 STAGES: tuple[str, ...] = ("environment", "model", "agent", "resources")
 #: How long past its deadline a call may take to answer (a participant answers at its deadline).
 CALL_MARGIN_S = 2.0
+#: The member columns a step decides on (reports and manifests are read only where needed).
+_LIGHT = ("id", "state", "version", "participant", "kind", "url", "stage")
+#: Every member state a resume moves from.
+_RESUMABLE: tuple[str, ...] = tuple(sorted(set(machines.CHECKPOINT_MEMBERS.states) - {"resuming", "resumed"}))
 
 
 @dataclass(frozen=True)
@@ -62,6 +72,39 @@ class CheckpointSettings:
     prepare_timeout_s: float = 30.0
     commit_timeout_s: float = 120.0
     resume_timeout_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One step's calls: ``op`` to each of ``members`` with one body; members in ``moving_from``
+    move to ``moving_to`` when the calls are written."""
+
+    op: str
+    members: list[Row]
+    body: dict[str, Any]
+    deadline: float
+    moving_from: tuple[str, ...]
+    moving_to: str
+
+
+def _after(row: Row, op: Transition) -> Row:
+    """``row`` as ``op`` (a transition of it) leaves it."""
+    return Row(row.kind, row.id, op.to_state, row.version + 1, {**row.values, **op.changes})
+
+
+def _project(row: Row, members: list[Row], ops: Sequence[Transition]) -> tuple[Row, list[Row]]:
+    """The checkpoint and its members as ``ops`` leave them (ops in order, at most one per member)."""
+    by_id = {m.id: m for m in members}
+    for op in ops:
+        if op.kind == KIND:
+            row = _after(row, op)
+        elif op.entity_id in by_id:
+            by_id[op.entity_id] = _after(by_id[op.entity_id], op)
+    return row, [by_id[m.id] for m in members]
+
+
+def _light(member: Row) -> Row:
+    return Row(member.kind, member.id, member.state, member.version, {k: member[k] for k in _LIGHT[3:]})
 
 
 def member_id(checkpoint_id: str, participant: str) -> str:
@@ -86,85 +129,158 @@ class CheckpointController:
 
     def __init__(self, settings: CheckpointSettings | None = None) -> None:
         self.settings = settings or CheckpointSettings()
+        # Checkpoint id -> (version, deadline, ids of the calls of its step in flight): while any
+        # is open, a wake-up (one per completed call) only reads those calls' states. Intent ids
+        # are a pure function of the row's state and version and the members' URLs, so a stale
+        # entry can only name calls that no longer decide anything; the version guards that.
+        self._in_flight: dict[str, tuple[int, float, list[str]]] = {}
 
     # -- reads ----------------------------------------------------------------------------------
 
-    async def _members(self, ctx: Context, checkpoint_id: str) -> list[Row]:
+    async def _members(self, ctx: Context, checkpoint_id: str, *, full: bool = False) -> list[Row]:
+        """The checkpoint's members in stage order: only the columns a step decides on, unless
+        ``full`` (reports, manifests and episode ids too)."""
         t = models.checkpoint_members
+        names = [c.name for c in t.c] if full else list(_LIGHT)
         async with ctx.journal.read() as conn:
-            rows = (await conn.execute(sa.select(t).where(t.c.checkpoint_id == checkpoint_id)
+            rows = (await conn.execute(sa.select(*(t.c[n] for n in names))
+                                       .where(t.c.checkpoint_id == checkpoint_id)
                                        .order_by(t.c.stage, t.c.participant))).all()
-        return [to_row(MEMBERS, r._mapping) for r in rows]
+        # Plain tuples into rows: this runs on every look at a checkpoint of hundreds of members.
+        rest = [(i, n) for i, n in enumerate(names) if n not in ("id", "state", "version")]
+        at = {n: i for i, n in enumerate(names)}
+        return [Row(MEMBERS, r[at["id"]], r[at["state"]], r[at["version"]], {n: r[i] for i, n in rest})
+                for r in rows]
 
-    def _intent(self, row: Row, member: Row, op: str, body: dict[str, Any], timeout_s: float) -> outbox.Intent:
+    def _plan(self, row: Row, members: list[Row]) -> _Step | None:
+        """The calls the checkpoint makes in its state (and stage), or ``None`` where it makes none."""
+        if row.state == "preparing" and row["deadline_ts"] is not None:
+            current = [m for m in members if m["stage"] == row["stage"]]
+            deadline = float(row["deadline_ts"])
+            return _Step("prepare", current, {"checkpoint_id": row.id, "deadline_ts": deadline}, deadline,
+                         ("pending",), "preparing") if current else None
+        if row.state == "committing":
+            deadline = self._deadline(row, self.settings.commit_timeout_s)
+            body: dict[str, Any] = {"checkpoint_id": row.id, "deadline_ts": deadline,
+                                    "checkpoint_dir": str(Path(row["checkpoint_dir"]) / row.id)}
+            if row["scope"] is None:
+                # The environments first, without a scope: each exports every episode it holds.
+                return _Step("commit", [m for m in members if m["kind"] == "environment"], body, deadline,
+                             ("prepared",), "committing")
+            body["episode_ids"] = [EpisodeId.from_capture_key(k).model_dump() for k in row["scope"]]
+            return _Step("commit", [m for m in members if m["kind"] != "environment"], body, deadline,
+                         ("prepared",), "committing")
+        if row.state in ("resuming", "aborting"):
+            # Reverse stage order, from wherever each member stands (members never reached too).
+            pending = [m for m in members if m.state != "resumed"]
+            if not pending:
+                return None
+            stage = max(m["stage"] for m in pending)
+            deadline = self._deadline(row, self.settings.resume_timeout_s)
+            return _Step("resume", [m for m in pending if m["stage"] == stage],
+                         {"checkpoint_id": row.id, "deadline_ts": deadline}, deadline, _RESUMABLE, "resuming")
+        return None
+
+    def _intents(self, row: Row, step: _Step) -> dict[str, outbox.Intent]:
+        """Member id -> the step's call, one shared body for all (the same bytes to every member)."""
         # Prepare and commit are bounded by their phase's deadline: a call that fails is not sent
         # again past it (the checkpoint aborts and a retry runs under a new id). A resume is
         # retried a little; beyond that the participant's lease resumes it.
-        return outbox.Intent.for_row(row, target=member["url"], method="POST", path=f"{CONTROL_PREFIX}/{op}",
-                                     body=body, timeout_s=timeout_s, max_attempts=3 if op == "resume" else 1)
+        timeout = max(step.deadline - time.time(), 0.0) + CALL_MARGIN_S
+        shared = outbox.Body.of(step.body)
+        return {m.id: control_intent(row, m["url"], step.op, shared, timeout,
+                                     max_attempts=3 if step.op == "resume" else 1) for m in step.members}
 
-    async def _fan_out(self, ctx: Context, row: Row, members: list[Row], op: str, body: dict[str, Any],
-                       timeout_s: float, moving: tuple[str, str] | None) -> tuple[dict[str, Row], list[Row]]:
-        """Ensure one intent per member (and move members ``from -> to``); return member id -> intent,
-        and the members as they are now (read after the write: a call may settle in between, and its
-        outcome must be recorded on the member's current state and version)."""
-        intents = {m.id: self._intent(row, m, op, body, timeout_s) for m in members}
-        rows = await read_calls(ctx, [i.id for i in intents.values()])
-        # Only what is missing is written: a reconcile of the same step finds its calls made.
-        missing = [m for m in members if intents[m.id].id not in rows]
-        moves = [m for m in members if moving is not None and m.state == moving[0]]
-        if not missing and not moves:
-            return ({mid: rows[i.id] for mid, i in intents.items() if i.id in rows}, members)
+    async def _write(self, ctx: Context, row: Row, members: list[Row], ops: list[Transition],
+                     known: Collection[str] = ()) -> None:
+        """Apply ``ops`` and, in the same transaction, make the calls of the step they lead to.
+
+        The next step is planned on the rows as ``ops`` leave them, so a decision and the calls
+        it starts commit together; calls in ``known`` already exist and are not written again.
+        """
+        after, moved = _project(row, members, ops)
+        step = self._plan(after, moved)
+        missing: list[tuple[outbox.Intent, str]] = []
+        moves: list[Row] = []
+        if step is not None:
+            intents = self._intents(after, step)
+            missing = [(intents[m.id], f"{step.op} {m['participant']} for {row.id}") for m in step.members
+                       if intents[m.id].id not in known]
+            self._in_flight[row.id] = (after.version, step.deadline, [i.id for i in intents.values()])
+            moves = [m for m in step.members if m.state in step.moving_from]
+
+        moving = [Transition(MEMBERS, m.id, m.state, m.version, step.moving_to, f"{step.op} sent")
+                  for m in moves if step is not None]
 
         async def write(tx: WriteTx) -> None:
-            for m in missing:
-                await outbox.ensure(tx, intents[m.id], reason=f"{op} {m['participant']} for {row.id}")
-            for m in moves:
-                assert moving is not None
-                await tx.transition(MEMBERS, m.id, from_state=m.state, version=m.version,
-                                    to_state=moving[1], reason=f"{op} sent")
+            await tx.apply(ops)
+            await outbox.ensure_all(tx, missing)
+            await tx.apply(moving)
         await ctx.write(write)
-        fresh = {m.id: m for m in await self._members(ctx, row.id)}
-        rows = await read_calls(ctx, [i.id for i in intents.values()])
-        return ({mid: rows[i.id] for mid, i in intents.items() if i.id in rows},
-                [fresh.get(m.id, m) for m in members])
+
+    async def _settled(self, ctx: Context, row: Row, members: list[Row], step: _Step) -> dict[str, Row] | None:
+        """Member id -> call (state, result, error) once every call of ``step`` settled; else ``None``
+        (a completed call wakes the checkpoint again). Calls found missing are written now."""
+        intents = self._intents(row, step)
+        states = await call_states(ctx, [i.id for i in intents.values()])
+        if len(states) < len(intents):
+            # Only after a crash between a decision and its calls' commit, or at the start.
+            await self._write(ctx, row, members, [], set(states))
+            return None
+        if any(state not in SETTLED for state in states.values()):
+            return None
+        calls = await read_calls(ctx, states)
+        return {mid: calls[i.id] for mid, i in intents.items()}
 
     def _deadline(self, row: Row, seconds: float) -> float:
         return float(row["deadline_ts"]) if row["deadline_ts"] is not None else time.time() + seconds
+
+    @staticmethod
+    def _wait(deadline: float) -> Result:
+        """Look again once every open call must have settled (a completed call wakes it sooner)."""
+        return Result(requeue_after=max(deadline - time.time(), 0.0) + CALL_MARGIN_S + 1.0)
 
     # -- the machine ----------------------------------------------------------------------------
 
     async def reconcile(self, ctx: Context, entity_id: str) -> Result:
         row = await ctx.get(KIND, entity_id)
         if row is None or row.state in ("done", "aborted", "failed"):
+            self._in_flight.pop(entity_id, None)
+            return Result()
+        flight = self._in_flight.get(entity_id)
+        if flight is not None and flight[0] == row.version:
+            states = await call_states(ctx, flight[2])
+            if len(states) == len(flight[2]) and any(state not in SETTLED for state in states.values()):
+                return self._wait(flight[1])
+        if row.state == "committed":
+            await self._publish(ctx, row)
             return Result()
         members = await self._members(ctx, entity_id)
+        if row.state == "prepared":  # only left here by an engine older than this one
+            await self._write(ctx, row, members, [self._move(ctx, row, "committing", "prepared everywhere",
+                                                             deadline=self.settings.commit_timeout_s)])
+            return Result()
+        if row.state == "published":  # likewise
+            await self._write(ctx, row, members, [self._move(ctx, row, "resuming", "published",
+                                                             deadline=self.settings.resume_timeout_s)])
+            return Result()
         if row.state == "preparing":
             return await self._preparing(ctx, row, members)
-        if row.state == "prepared":
-            await self._move(ctx, row, "committing", "prepared everywhere", deadline=self.settings.commit_timeout_s)
-            return Result()
         if row.state == "committing":
             return await self._committing(ctx, row, members)
-        if row.state == "committed":
-            await self._publish(ctx, row, members)
-            return Result()
-        if row.state == "published":
-            await self._move(ctx, row, "resuming", "published", deadline=self.settings.resume_timeout_s)
-            return Result()
         return await self._resuming(ctx, row, members)
 
-    async def _move(self, ctx: Context, row: Row, to_state: str, reason: str, *, deadline: float | None = None,
-                    **changes: Any) -> None:
+    def _move(self, ctx: Context, row: Row, to_state: str, reason: str, *, deadline: float | None = None,
+              **changes: Any) -> Transition:
+        """The checkpoint's own transition (its timings updated; a fresh deadline if given)."""
         if deadline is not None:
             changes["deadline_ts"] = time.time() + deadline
         changes["timings"] = timings(ctx, row)
-        await ctx.apply(Transition(KIND, row.id, row.state, row.version, to_state, reason, changes))
+        return Transition(KIND, row.id, row.state, row.version, to_state, reason, changes)
 
-    async def _abort(self, ctx: Context, row: Row, detail: str, **changes: Any) -> Result:
-        await self._move(ctx, row, "aborting", detail, deadline=self.settings.resume_timeout_s, detail=detail,
-                         **changes)
-        return Result()
+    def _abort(self, ctx: Context, row: Row, detail: str, **changes: Any) -> Transition:
+        return self._move(ctx, row, "aborting", detail, deadline=self.settings.resume_timeout_s, detail=detail,
+                          **changes)
 
     async def _preparing(self, ctx: Context, row: Row, members: list[Row]) -> Result:
         if not members:
@@ -176,29 +292,31 @@ class CheckpointController:
                 waiting = await self._retirement_pending(ctx, retirement_id(row["retry_of"]))
                 if waiting is not None:
                     return waiting
-            await ctx.apply(Transition(KIND, row.id, "preparing", row.version, "preparing", "stage 0 starts",
-                                       {"deadline_ts": time.time() + self.settings.prepare_timeout_s}))
+            await self._write(ctx, row, members, [Transition(
+                KIND, row.id, "preparing", row.version, "preparing", "stage 0 starts",
+                {"deadline_ts": time.time() + self.settings.prepare_timeout_s})])
             return Result()
         stage = row["stage"]
-        current = [m for m in members if m["stage"] == stage]
-        if current:
-            deadline = float(row["deadline_ts"])
-            body = {"checkpoint_id": row.id, "deadline_ts": deadline}
-            intents, current = await self._fan_out(ctx, row, current, "prepare", body,
-                                                   max(deadline - time.time(), 0.0) + CALL_MARGIN_S,
-                                                   ("pending", "preparing"))
-            outcome = await self._record_prepares(ctx, current, intents)
-            if outcome is None:
-                return Result(requeue_after=max(deadline - time.time(), 0.0) + CALL_MARGIN_S + 1.0)
-            why, blockers = outcome
+        step = self._plan(row, members)
+        ops: list[Transition] = []
+        if step is not None:
+            calls = await self._settled(ctx, row, members, step)
+            if calls is None:
+                return self._wait(step.deadline)
+            ops, why, blockers = self._prepare_outcomes(step.members, calls)
             if why:
-                return await self._abort(ctx, row, f"stage {STAGES[stage]} not prepared: {why}", blockers=blockers)
+                await self._write(ctx, row, members, [
+                    *ops, self._abort(ctx, row, f"stage {STAGES[stage]} not prepared: {why}", blockers=blockers)])
+                return Result()
         if stage + 1 < len(STAGES):
-            await ctx.apply(Transition(KIND, row.id, "preparing", row.version, "preparing",
-                                       f"stage {STAGES[stage + 1]} starts",
-                                       {"stage": stage + 1, "deadline_ts": time.time() + self.settings.prepare_timeout_s}))
+            ops.append(Transition(KIND, row.id, "preparing", row.version, "preparing",
+                                  f"stage {STAGES[stage + 1]} starts",
+                                  {"stage": stage + 1, "deadline_ts": time.time() + self.settings.prepare_timeout_s}))
         else:
-            await self._move(ctx, row, "prepared", "every stage prepared")
+            prepared = self._move(ctx, row, "prepared", "every stage prepared")
+            ops += [prepared, self._move(ctx, _after(row, prepared), "committing", "prepared everywhere",
+                                         deadline=self.settings.commit_timeout_s)]
+        await self._write(ctx, row, members, ops)
         return Result()
 
     async def _retirement_pending(self, ctx: Context, retirement: str) -> Result | None:
@@ -208,96 +326,77 @@ class CheckpointController:
             return Result(requeue_after=0.25)
         return None
 
-    async def _record_prepares(self, ctx: Context, members: list[Row], intents: dict[str, Row]
-                               ) -> tuple[str, dict[str, Any]] | None:
-        """Record each settled prepare on its member. ``None`` while a call is open; else why the
-        stage is not prepared (``""``: it is) and the blockers by participant."""
+    @staticmethod
+    def _prepare_outcomes(members: list[Row], calls: dict[str, Row]
+                          ) -> tuple[list[Transition], str, dict[str, Any]]:
+        """Each member's settled prepare as a transition; why the stage is not prepared (``""``: it
+        is); the blockers by participant."""
         ops: list[Transition] = []
-        open_calls = False
         failures: list[str] = []
         blockers: dict[str, Any] = {}
         for m in members:
-            intent = intents.get(m.id)
-            if intent is None or intent.state not in ("succeeded", "failed", "ambiguous"):
-                open_calls = True
-                continue
-            if intent.state == "succeeded" and (intent["result"] or {}).get("phase") == "prepared":
+            call = calls[m.id]
+            result = call["result"] or {}
+            if call.state == "succeeded" and result.get("phase") == "prepared":
                 state, detail = "prepared", None
-            elif intent.state == "succeeded":
-                report = (intent["result"] or {}).get("report") or {}
+            elif call.state == "succeeded":
+                report = result.get("report") or {}
                 state, detail = "not_ready", f"{report.get('blocker_count', 0)} blockers"
                 blockers[m["participant"]] = report.get("blockers", [])
                 failures.append(f"{m['participant']} has {detail}")
             else:
-                state, detail = "failed", describe_error(intent)
+                state, detail = "failed", describe_error(call)
                 failures.append(f"{m['participant']} failed: {detail}")
             if m.state == "preparing":
                 ops.append(Transition(MEMBERS, m.id, "preparing", m.version, state, f"prepare answered: {state}",
-                                      {"report": (intent["result"] or {}).get("report"), "detail": detail}))
-        if ops:
-            await ctx.apply(*ops)
-        if open_calls:
-            return None
-        return "; ".join(failures), blockers
+                                      {"report": result.get("report"), "detail": detail}))
+        return ops, "; ".join(failures), blockers
 
     async def _committing(self, ctx: Context, row: Row, members: list[Row]) -> Result:
-        deadline = self._deadline(row, self.settings.commit_timeout_s)
-        directory = str(Path(row["checkpoint_dir"]) / row.id)
-        timeout = max(deadline - time.time(), 0.0) + CALL_MARGIN_S
-        envs = [m for m in members if m["kind"] == "environment"]
-        others = [m for m in members if m["kind"] != "environment"]
-        if row["scope"] is None:
-            body = {"checkpoint_id": row.id, "deadline_ts": deadline, "checkpoint_dir": directory}
-            intents, envs = await self._fan_out(ctx, row, envs, "commit", body, timeout, ("prepared", "committing"))
-            done = await self._record_commits(ctx, envs, intents)
-            if done is None:
-                return Result(requeue_after=timeout)
-            if done:
-                return await self._abort(ctx, row, done)
-            restarts = sorted({k for m in members for k in ((m["report"] or {}).get("restarts") or [])})
-            exported = {k for i in intents.values() for k in (i["result"] or {}).get("episode_ids", [])}
-            scope = sorted(exported - set(restarts))
-            await ctx.apply(Transition(KIND, row.id, "committing", row.version, "committing",
-                                       f"scope of {len(scope)} episodes", {"scope": scope, "restarts": restarts}))
+        step = self._plan(row, members)
+        assert step is not None
+        calls = await self._settled(ctx, row, members, step)
+        if calls is None:
+            return self._wait(step.deadline)
+        ops, failed = self._commit_outcomes(step.members, calls)
+        if failed:
+            await self._write(ctx, row, members, [*ops, self._abort(ctx, row, failed)])
             return Result()
-        episodes = [EpisodeId.from_capture_key(k).model_dump() for k in row["scope"]]
-        body = {"checkpoint_id": row.id, "deadline_ts": deadline, "checkpoint_dir": directory, "episode_ids": episodes}
-        intents, others = await self._fan_out(ctx, row, others, "commit", body, timeout, ("prepared", "committing"))
-        done = await self._record_commits(ctx, others, intents)
-        if done is None:
-            return Result(requeue_after=timeout)
-        if done:
-            return await self._abort(ctx, row, done)
-        await self._move(ctx, row, "committed", "committed everywhere")
+        if row["scope"] is None:
+            reports = await self._members(ctx, row.id, full=True)
+            restarts = sorted({k for m in reports for k in ((m["report"] or {}).get("restarts") or [])})
+            exported = {k for c in calls.values() for k in (c["result"] or {}).get("episode_ids", [])}
+            scope = sorted(exported - set(restarts))
+            ops.append(Transition(KIND, row.id, "committing", row.version, "committing",
+                                  f"scope of {len(scope)} episodes", {"scope": scope, "restarts": restarts}))
+        else:
+            ops.append(self._move(ctx, row, "committed", "committed everywhere"))
+        await self._write(ctx, row, members, ops)
         return Result()
 
-    async def _record_commits(self, ctx: Context, members: list[Row], intents: dict[str, Row]) -> str | None:
+    @staticmethod
+    def _commit_outcomes(members: list[Row], calls: dict[str, Row]) -> tuple[list[Transition], str]:
+        """Each member's settled commit as a transition, and every failure in words (``""``: none)."""
         ops: list[Transition] = []
-        open_calls = False
         failures: list[str] = []
         for m in members:
-            intent = intents.get(m.id)
-            if intent is None or intent.state not in ("succeeded", "failed", "ambiguous"):
-                open_calls = True
-                continue
-            if intent.state == "succeeded":
-                reply = intent["result"] or {}
+            call = calls[m.id]
+            if call.state == "succeeded":
+                reply = call["result"] or {}
                 if m.state == "committing":
                     ops.append(Transition(MEMBERS, m.id, "committing", m.version, "committed", "commit answered",
                                           {"manifest": reply.get("manifest"), "episode_ids": reply.get("episode_ids")}))
             else:
-                detail = describe_error(intent)
+                detail = describe_error(call)
                 failures.append(f"{m['participant']} did not commit: {detail}")
                 if m.state == "committing":
                     ops.append(Transition(MEMBERS, m.id, "committing", m.version, "failed", "commit failed",
                                           {"detail": detail}))
-        if ops:
-            await ctx.apply(*ops)
-        if open_calls:
-            return None
-        return "; ".join(failures)
+        return ops, "; ".join(failures)
 
-    async def _publish(self, ctx: Context, row: Row, members: list[Row]) -> None:
+    async def _publish(self, ctx: Context, row: Row) -> None:
+        """Write the checkpoint's manifest and then ``LATEST``; then resume (the same commit)."""
+        members = await self._members(ctx, row.id, full=True)
         root = Path(row["checkpoint_dir"])
         manifest = {"checkpoint_id": row.id, "scope": row["scope"], "restarts": row["restarts"],
                     "members": {m["participant"]: {"kind": m["kind"], "manifest": m["manifest"],
@@ -305,46 +404,49 @@ class CheckpointController:
         path = root / row.id / "checkpoint.json"
         await asyncio.to_thread(_write_atomically, path, json.dumps(manifest, indent=1, sort_keys=True).encode())
         await asyncio.to_thread(_write_atomically, root / "LATEST", (row.id + "\n").encode())
-        await self._move(ctx, row, "published", "checkpoint manifest and LATEST written", manifest_path=str(path))
+        published = self._move(ctx, row, "published", "checkpoint manifest and LATEST written",
+                               manifest_path=str(path))
+        await self._write(ctx, row, [_light(m) for m in members], [
+            published, self._move(ctx, _after(row, published), "resuming", "published",
+                                  deadline=self.settings.resume_timeout_s)])
 
     async def _resuming(self, ctx: Context, row: Row, members: list[Row]) -> Result:
         """Resume members in reverse stage order; every member ends ``resumed``."""
         final = "done" if row.state == "resuming" else "aborted"
-        deadline = self._deadline(row, self.settings.resume_timeout_s)
-        pending = [m for m in members if m.state != "resumed"]
-        if not pending:
-            blockers = sorted({k for keys in (row["blockers"] or {}).values() for k in keys})
-            if final == "aborted" and blockers and row["try_number"] < row["max_tries"]:
-                await self._retry(ctx, row, members, blockers)
-            else:
-                await self._move(ctx, row, final, "every member resumed")
+        step = self._plan(row, members)
+        if step is None:
+            await self._finish(ctx, row, members, final)
             return Result()
-        stage = max(m["stage"] for m in pending)
-        current = [m for m in pending if m["stage"] == stage]
-        body = {"checkpoint_id": row.id, "deadline_ts": deadline}
-        timeout = max(deadline - time.time(), 0.0) + CALL_MARGIN_S
-        # Members are moved to ``resuming`` one by one, from wherever they stand.
-        moves = [Transition(MEMBERS, m.id, m.state, m.version, "resuming", "resume sent")
-                 for m in current if m.state != "resuming"]
-        if moves:
-            await ctx.apply(*moves)
-            # Member rows have no controller of their own: look at this checkpoint again now.
+        calls = await self._settled(ctx, row, members, step)
+        if calls is None:
+            return self._wait(step.deadline)
+        ops = [Transition(MEMBERS, m.id, "resuming", m.version, "resumed", "resume answered",
+                          {"detail": None if calls[m.id].state == "succeeded" else
+                           f"resume failed ({describe_error(calls[m.id])}); its lease resumes it"})
+               for m in step.members]
+        stepping = {m.id for m in step.members}
+        last = all(m.state == "resumed" or m.id in stepping for m in members)
+        if last and not self._retries(row, final):
+            ops.append(self._move(ctx, row, final, "every member resumed"))
+            await self._write(ctx, row, members, ops)
+            return Result()
+        await self._write(ctx, row, members, ops)
+        if last:
+            # Member rows have no controller of their own: look at this checkpoint again now (the retry).
             return Result(requeue_after=0.0)
-        intents, current = await self._fan_out(ctx, row, current, "resume", body, timeout, None)
-        ops: list[Transition] = []
-        for m in current:
-            intent = intents.get(m.id)
-            if intent is None or intent.state not in ("succeeded", "failed", "ambiguous"):
-                continue
-            detail = None if intent.state == "succeeded" else (
-                f"resume failed ({describe_error(intent)}); its lease resumes it")
-            ops.append(Transition(MEMBERS, m.id, "resuming", m.version, "resumed", "resume answered",
-                                  {"detail": detail}))
-        if ops:
-            await ctx.apply(*ops)
-            return Result(requeue_after=0.0)  # the next stage, or done
-        return Result(requeue_after=timeout)
+        return Result()
 
+    @staticmethod
+    def _retries(row: Row, final: str) -> bool:
+        """An abort with blockers and tries left ends in a straggler retry."""
+        return final == "aborted" and bool(row["blockers"]) and row["try_number"] < row["max_tries"]
+
+    async def _finish(self, ctx: Context, row: Row, members: list[Row], final: str) -> None:
+        if self._retries(row, final):
+            blockers = sorted({k for keys in (row["blockers"] or {}).values() for k in keys})
+            await self._retry(ctx, row, members, blockers)
+        else:
+            await ctx.apply(self._move(ctx, row, final, "every member resumed"))
 
     async def _retry(self, ctx: Context, row: Row, members: list[Row], blockers: list[str]) -> None:
         """Straggler policy: in one write, end this try, retire its blockers, and start the next try

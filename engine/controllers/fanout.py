@@ -4,6 +4,11 @@ A workflow row (a checkpoint, a restore, a retirement) calls participants throug
 it owns at its current state and version (:func:`control_intent`), so reconciling the same state
 again finds the same calls; :func:`fan_out` writes only the missing ones and reports where they
 stand; :func:`describe_error` turns a settled failure into the words the row's ``detail`` keeps.
+
+Every call of one fan-out carries the same request, so its body is encoded once
+(:class:`journal.outbox.Body`), stored once, and sent as the same bytes to every participant.
+Reading where calls stand never reads their bodies: :func:`call_states` first (which exist, and
+their states), and :func:`read_calls` (state, reply, error) only once they can be decided on.
 """
 
 from __future__ import annotations
@@ -56,21 +61,35 @@ def healthy(rows: Iterable[Row], kinds: Iterable[str] | None = None) -> list[Mem
             if r.state == "healthy" and r["kind"] and (wanted is None or r["kind"] in wanted)]
 
 
-def control_intent(owner: Row, member: Member, op: str, body: Mapping[str, Any], timeout_s: float
-                   ) -> outbox.Intent:
-    """``POST <member>/ng-control/v1/checkpoint/<op>`` owned by ``owner`` at its state and version."""
-    return outbox.Intent.for_row(owner, target=member.url, method="POST", path=f"{CONTROL_PREFIX}/{op}",
-                                 body=dict(body), timeout_s=timeout_s, max_attempts=3)
+def control_intent(owner: Row, url: str, op: str, body: outbox.Body, timeout_s: float, *,
+                   max_attempts: int = 3) -> outbox.Intent:
+    """``POST <url>/ng-control/v1/checkpoint/<op>`` with a shared body, owned by ``owner`` at its
+    state and version."""
+    return outbox.Intent.for_row(owner, target=url, method="POST", path=f"{CONTROL_PREFIX}/{op}",
+                                 shared=body, timeout_s=timeout_s, max_attempts=max_attempts)
 
 
 async def read_calls(ctx: Context, ids: Iterable[str]) -> dict[str, Row]:
+    """The calls of ``ids`` that exist: state, version, ``result`` and ``error`` (not the body)."""
     wanted = list(ids)
     if not wanted:
         return {}
     t = models.rpc_calls
     async with ctx.journal.read() as conn:
-        rows = (await conn.execute(sa.select(t).where(t.c.id.in_(wanted)))).all()
+        rows = (await conn.execute(sa.select(t.c.id, t.c.state, t.c.version, t.c.result, t.c.error)
+                                   .where(t.c.id.in_(wanted)))).all()
     return {r.id: to_row(outbox.KIND, r._mapping) for r in rows}
+
+
+async def call_states(ctx: Context, ids: Iterable[str]) -> dict[str, str]:
+    """The state of each of the calls ``ids`` that exists (nothing else is read)."""
+    wanted = list(ids)
+    if not wanted:
+        return {}
+    t = models.rpc_calls
+    async with ctx.journal.read() as conn:
+        rows = (await conn.execute(sa.select(t.c.id, t.c.state).where(t.c.id.in_(wanted)))).all()
+    return {r.id: r.state for r in rows}
 
 
 def describe_error(call: Row) -> str:
@@ -88,15 +107,20 @@ async def fan_out(ctx: Context, owner: Row, members: Sequence[Member], op: str, 
                   deadline_ts: float) -> FanOut:
     """Ensure one ``op`` call per member (only the missing ones are written) and report where they stand."""
     timeout = max(deadline_ts - time.time(), 0.0) + 5.0
-    intents = {m.name: control_intent(owner, m, op, body, timeout) for m in members}
-    calls = await read_calls(ctx, (i.id for i in intents.values()))
-    missing = [(name, i) for name, i in intents.items() if i.id not in calls]
-    if missing:
+    shared = outbox.Body.of(body)
+    intents = {m.name: control_intent(owner, m.url, op, shared, timeout) for m in members}
+    states = await call_states(ctx, (i.id for i in intents.values()))
+    if len(states) == len(intents) and any(s not in SETTLED for s in states.values()):
+        return FanOut(open=True)
+    if len(states) < len(intents):
+        missing = [(i, f"{op} {name} for {owner.kind} {owner.id}") for name, i in intents.items()
+                   if i.id not in states]
+
         async def write(tx: WriteTx) -> None:
-            for name, intent in missing:
-                await outbox.ensure(tx, intent, reason=f"{op} {name} for {owner.kind} {owner.id}")
+            await outbox.ensure_all(tx, missing)
         await ctx.write(write)
-        calls = await read_calls(ctx, (i.id for i in intents.values()))
+        return FanOut(open=True)
+    calls = await read_calls(ctx, (i.id for i in intents.values()))
     out = FanOut()
     for name, intent in intents.items():
         call = calls.get(intent.id)

@@ -39,7 +39,7 @@ from typing import Any, Literal
 import sqlalchemy as sa
 from pydantic import ValidationError
 
-from journal import Transition, WriteTx, models
+from journal import Transition, WriteTx, models, outbox
 from journal.writes import Row, to_row
 from workers.protocol import EpisodeId
 
@@ -212,7 +212,8 @@ class RetirementController:
         # The stage's members are fixed by its first look: whoever already has a call, else the healthy.
         known = [Member(r.id, r["kind"], r["url"]) for r in rows if r["kind"] in kinds]
         timeout = max(deadline - time.time(), 0.0) + 5.0
-        ids = {m.name: control_intent(row, m, row["op"], body, timeout).id for m in known}
+        shared = outbox.Body.of(body)
+        ids = {m.name: control_intent(row, m.url, row["op"], shared, timeout).id for m in known}
         calls = await read_calls(ctx, ids.values())
         members = [m for m in known if ids[m.name] in calls] or healthy(rows, kinds)
         outcome = await fan_out(ctx, row, members, row["op"], body, deadline)

@@ -80,6 +80,7 @@ async def test_a_checkpoint_mid_episode_is_published_and_everyone_resumed(
         assert [r["to_state"] for r in await audit_query(orch, "checkpoint-trail", checkpoint="ck-1")] == trail
         assert len(await audit_query(orch, "checkpoint-leaders")) == 1
         assert await audit_query(orch, "rollout-history", rollout="r0") == []  # not dispatched by tidelog
+        sent = await audit_query(orch, "checkpoint-call-bodies", checkpoint="ck-1")
     finally:
         await orch.stop()
     results = await asyncio.gather(*runs)
@@ -92,6 +93,16 @@ async def test_a_checkpoint_mid_episode_is_published_and_everyone_resumed(
     assert published["scope"] and set(published["scope"]) <= {"r0", "r1", "r2"}
     assert all(m["state"] == "resumed" for m in members.values())
     assert all(m["manifest"]["checkpoint_id"] == "ck-1" for m in members.values())
+    # Every step's calls sent one stored body (content-addressed): each prepare stage its own deadline,
+    # the two commit waves theirs, and the four resume stages one request (the same deadline).
+    assert len(sent) == 12 and all(c["body_id"] and c["state"] == "succeeded" for c in sent)
+    bodies: dict[str, set[str]] = {}
+    for c in sent:
+        bodies.setdefault(c["path"].rsplit("/", 1)[1], set()).add(c["body_id"])
+    assert {op: len(ids) for op, ids in bodies.items()} == {"prepare": 4, "commit": 2, "resume": 1}
+    commit_others = [json.loads(c["sent"]) for c in sent if c["path"].endswith("/commit") and "episode_ids" in c["sent"]]
+    assert len(commit_others) == 3 and all(b == commit_others[0] for b in commit_others)
+    assert sorted(e["rollout_id"] for e in commit_others[0]["episode_ids"]) == sorted(published["scope"])
     for kind in ("environment", "model", "agent", "resources"):
         status = await controller.status(stack.url(kind))
         assert status["phase"] == "idle" and status["checkpoint_id"] is None

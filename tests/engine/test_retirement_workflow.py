@@ -23,6 +23,7 @@ from engine.service import Orchestrator
 from journal import models
 from tests.support.reference_procs import KINDS, Controller, Procs, Stack, start_stack
 from tests.support.workflows import (
+    rpc_calls,
     add_rollouts,
     events,
     settings,
@@ -54,7 +55,7 @@ async def retirement(orch: Orchestrator, retirement_id: str, op: Any, **kw: Any)
 
 async def calls_by_stage(orch: Orchestrator, stack: Stack, retirement_id: str) -> list[list[dict[str, Any]]]:
     kind_of = {stack.url(k): k for k in KINDS}
-    calls = [c for c in (await table(orch, models.rpc_calls)).values() if c["entity_id"] == retirement_id]
+    calls = [c for c in (await rpc_calls(orch)).values() if c["entity_id"] == retirement_id]
     return [[c for c in calls if kind_of[c["target"]] in kinds] for kinds in RETIRE_ORDER]
 
 
@@ -104,7 +105,7 @@ async def test_retire_waits_for_the_checkpoint_then_forget_lifts_the_marks(
 
         # A forget of a rollout still live is refused before anything is sent.
         refused_forget = await retirement(orch, "forget-live", "forget", rollout_ids=["live", "r1"])
-        forget_live_calls = [x for x in (await table(orch, models.rpc_calls)).values()
+        forget_live_calls = [x for x in (await rpc_calls(orch)).values()
                              if x["entity_id"] == "forget-live"]
         forgotten = await retirement(orch, "forget-1", "forget", rollout_ids=["r1"])
         forget_stages = await calls_by_stage(orch, stack, "forget-1")

@@ -3,17 +3,19 @@
 - ``procs`` / ``controller``: fixtures (import them into a test module to use them): the
   reference processes one test starts (SIGKILLed at the end), and an HTTP controller.
 - :func:`settings`: orchestrator settings for a journal URL and the four participants' URLs.
-- :func:`table`, :func:`until`, :func:`wait_healthy`, :func:`wait_terminal`, :func:`events`:
+- :func:`table`, :func:`rpc_calls` (bodies resolved), :func:`until`, :func:`wait_healthy`, :func:`wait_terminal`, :func:`events`:
   read the journal while the orchestrator runs.
 - :func:`run_checkpoint`: start a checkpoint with ``start_checkpoint`` and wait until it ends.
 - :func:`closed_executions`: every participant's ``executions`` as they stand while the
   checkpoint holds the policy model closed (nothing completes anywhere then).
 - :func:`steps_of`, :func:`by_rollout`: what "every step completed exactly once" means.
+- :func:`audit_rows`: run one of docs/audit.md's named queries, as written, on a journal.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Iterator, Mapping
@@ -27,8 +29,9 @@ import sqlalchemy as sa
 from engine.config import Settings
 from engine.controllers.checkpoint import start_checkpoint
 from engine.service import Orchestrator
-from journal import audit, models
+from journal import Journal, audit, models
 from journal.writes import to_row
+from tests.support.audit_sql import queries
 from tests.support.reference_procs import KINDS, TOKEN, Controller, Procs, Stack
 from workers.protocol import EpisodeId
 
@@ -73,6 +76,21 @@ def settings(journal_url: str, stack: Stack, **checkpoint: float) -> Settings:
 async def table(orch: Orchestrator, t: sa.Table) -> dict[str, Any]:
     async with orch.journal.read() as conn:
         return {r.id: dict(r._mapping) for r in (await conn.execute(sa.select(t))).all()}
+
+
+async def rpc_calls(orch: Orchestrator) -> dict[str, Any]:
+    """``rpc_calls`` by id, each ``body`` what the call sends: its own, or its shared body parsed."""
+    t, b = models.rpc_calls, models.rpc_bodies
+    async with orch.journal.read() as conn:
+        rows = (await conn.execute(sa.select(t, b.c.content).outerjoin(b, b.c.id == t.c.body_id))).all()
+    out = {}
+    for r in rows:
+        row = dict(r._mapping)
+        content = row.pop("content")
+        if row["body_id"] is not None:
+            row["body"] = json.loads(content)
+        out[row["id"]] = row
+    return out
 
 
 async def until(check: Any, timeout: float = 30.0) -> Any:
@@ -176,3 +194,10 @@ def by_rollout(*snapshots: dict[str, dict[str, int]]) -> dict[str, Counter[str]]
         for key, steps in snapshot.items():
             total[EpisodeId.from_capture_key(key).rollout_id].update(steps)
     return dict(total)
+
+
+async def audit_rows(journal: Journal, name: str, **params: Any) -> list[dict[str, Any]]:
+    """Run docs/audit.md's query ``name``, as written, on ``journal``'s backend; its rows."""
+    async with journal.read() as conn:
+        result = await conn.execute(sa.text(queries(journal.backend)[name]), params)
+        return [dict(r._mapping) for r in result.all()]
