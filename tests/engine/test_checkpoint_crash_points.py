@@ -2,8 +2,11 @@
 after every named commit of the workflow's rows that a run passes through (enumerated from the
 machines, not picked by hand), restart it, and check the run ends as an uncrashed one does.
 
-- checkpoint: done and published, every participant idle, every episode finishing with every step
-  completed exactly once;
+- checkpoint (after a retire of a third episode that finished before it started): done and
+  published, every participant idle, every live episode finishing with every step completed exactly
+  once; the scope holds the live episodes and not the retired one, and the journal alone shows no
+  commit including an attempt retired before it (docs/audit.md's query); afterwards every published
+  checkpoint (the uncrashed run's and every crashed one's) restores into fresh participants;
 - restore (into fresh participants, of a checkpoint published by an uncrashed run): done, and every
   continued episode finishes from its checkpointed boundary — no step run again or lost;
 - retire: done, the retired attempt refused (``stale_attempt``) everywhere; forget: done, accepted again.
@@ -25,16 +28,21 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
+from engine.controllers.restore import resolve_checkpoint, start_restore
 from engine.crash import ENV, hook_names
 from engine.demo import all_steps, checkpointed_steps
+from engine.service import Orchestrator
 from journal import Journal, StateMachine, audit, machines, models
 from tests.engine.test_crash_recovery import new_journal_url
 from tests.support.reference_procs import Controller, Procs, Stack, start_stack
+from tests.support.workflows import audit_rows, rpc_calls, settings, wait_healthy, wait_terminal
 from workers.protocol import EpisodeId
 
 ROOT = Path(__file__).resolve().parents[2]
 KINDS = ("environment", "model", "agent", "resources")
-TURNS = 3
+#: The checkpoint runs' live episodes (about 3 s): still running when the checkpoint prepares, even
+#: after a crash before the prepare and the worker's restart, so every scope holds them.
+LIVE_TURNS = 16
 pytestmark = pytest.mark.slow
 
 
@@ -92,28 +100,108 @@ async def run_and_check(backend: str, request: pytest.FixtureRequest, path: Path
 
 async def checkpoint_run(backend: str, request: pytest.FixtureRequest, tmp_path: Path, stack: Stack,
                          controller: Controller, tag: str, crash_at: str | None) -> tuple[set[str], list[int]]:
+    """Checkpoint ``ck-<tag>`` of two live episodes, after a retire of a third (``<tag>-x``) finished.
+
+    The worker retires ``<tag>-x`` (attempt 0) as ``pre-ck-<tag>`` and starts the checkpoint once that
+    retirement is done; the live episodes start once the retire has reached the environment (the
+    retired run answers ``stale_attempt``), so they are still running when the checkpoint prepares.
+    """
     env = stack.url("environment")
     before = {kind: (await controller.status(stack.url(kind)))["executions"] for kind in KINDS}
-    runs = [asyncio.create_task(controller.run(env, f"{tag}-r{i}", {"prompt": f"{tag} {i}", "turns": TURNS}))
-            for i in range(2)]
-    await asyncio.sleep(0.3)  # mid-episode
+    # Long enough (200 steps of 0.1 s) to be still running when the worker retires it.
+    retired = asyncio.create_task(controller.post(env, "/run", {"rollout_id": f"{tag}-x",
+                                                                "task": {"prompt": f"{tag} x", "turns": 100}}))
     directory = tmp_path / f"ck-{tag}"
-    edges, row, codes = await run_and_check(backend, request, tmp_path / f"{tag}.db", stack, "checkpoint",
-                                            [f"ck-{tag}", str(directory)], crash_at,
-                                            ["checkpoints", "checkpoint_members"], models.checkpoints)
+    url = await new_journal_url(backend, request, tmp_path / f"{tag}.db")
+    worker = asyncio.create_task(crashed_then_recovered(url, stack, "checkpoint",
+                                                        [f"ck-{tag}", str(directory), f"{tag}-x"], crash_at))
+    await asyncio.wait({retired, worker}, return_when=asyncio.FIRST_COMPLETED)
+    if not retired.done():
+        worker.result()  # a worker that failed says why
+        await asyncio.wait({retired}, timeout=10)  # else the retire's reply may still be on its way
+        if not retired.done():
+            retired.cancel()
+            raise AssertionError(f"{tag}-x still running after its retirement and the checkpoint ({crash_at})")
+    code, reply = await retired
+    assert code == 409 and reply["error"]["code"] == "stale_attempt", (crash_at, code, reply)
+    runs = [asyncio.create_task(controller.run(env, f"{tag}-r{i}", {"prompt": f"{tag} {i}", "turns": LIVE_TURNS}))
+            for i in range(2)]
+    codes = await worker
+    edges, row = await edges_of(url, ["checkpoints", "checkpoint_members"], models.checkpoints, f"ck-{tag}")
     results = await asyncio.gather(*runs)
     assert row.state == "done", (crash_at, row.state, row.detail)
     assert (directory / "LATEST").read_text().strip() == f"ck-{tag}"
-    assert set(json.loads((directory / f"ck-{tag}" / "checkpoint.json").read_text())["members"]) == {
-        f"{k}-0" for k in KINDS}
+    published = json.loads((directory / f"ck-{tag}" / "checkpoint.json").read_text())
+    assert set(published["members"]) == {f"{k}-0" for k in KINDS}
+    assert published["scope"] == row.scope
+    # No commit includes an attempt retired before it: not the retired episode, by the journal alone.
+    assert f"{tag}-x" not in row.scope and row.scope == [f"{tag}-r0", f"{tag}-r1"], (crash_at, row.scope)
+    journal = Journal.open(url)
+    try:
+        retirement = await journal_row(journal, models.retirements, f"pre-ck-{tag}")
+        assert retirement.state == "done" and retirement.episode_ids == [{"rollout_id": f"{tag}-x", "attempt": 0}]
+        assert await audit_rows(journal, "commits-including-retired-attempts") == [], crash_at
+    finally:
+        await journal.dispose()
     for kind in KINDS:
         status = await controller.status(stack.url(kind))
         assert status["phase"] == "idle", (crash_at, kind, status)
         for key, steps in status["executions"].items():
             if key.startswith(f"{tag}-"):
                 assert key not in before[kind] and all(n == 1 for n in steps.values()), (crash_at, kind, key, steps)
-    assert all(len(r["actions"]) == TURNS for r in results)
+    assert sorted(r["rollout_id"] for r in results) == [f"{tag}-r0", f"{tag}-r1"]
+    assert all(len(r["actions"]) == LIVE_TURNS for r in results)
     return edges, codes
+
+
+async def journal_row(journal: Journal, table: sa.Table, entity_id: str) -> Any:
+    async with journal.read() as conn:
+        return (await conn.execute(sa.select(table).where(table.c.id == entity_id))).one()
+
+
+async def restore_every_checkpoint(backend: str, request: pytest.FixtureRequest, procs: Procs, tmp_path: Path,
+                                   tags: list[str]) -> list[int]:
+    """Every published ``ck-<tag>`` restored, each into fresh participants, all recorded in one
+    journal: each restore ends ``done`` having restored exactly the published scope. Returns each
+    scope's size.
+
+    One stack per checkpoint: a reference participant takes a restore only while it holds nothing
+    (the model refuses once it has served a call or holds restored ledgers; the agent and resources
+    refuse while they hold sessions, which a restore installs), so a second restore into the same
+    processes is refused. Each stack gets an in-process orchestrator on the shared journal (the
+    participants' rows follow the new URLs)."""
+    url = await new_journal_url(backend, request, tmp_path / "restore-all.db")
+    sizes: list[int] = []
+    for tag in tags:
+        directory = str(tmp_path / f"ck-{tag}")
+        checkpoint_id, scope = await asyncio.to_thread(resolve_checkpoint, directory, f"ck-{tag}")
+        published = json.loads((tmp_path / f"ck-{tag}" / f"ck-{tag}" / "checkpoint.json").read_text())
+        assert checkpoint_id == f"ck-{tag}" and scope == published["scope"]
+        fresh = await start_stack(procs, {k: tmp_path / "restore-all" / tag / k for k in KINDS}, env_delay=0.0)
+        orch = Orchestrator(settings(url, fresh, restore_timeout_s=30))
+        await orch.start()
+        try:
+            await wait_healthy(orch, fresh)
+
+            async def start(tx: Any) -> None:
+                await start_restore(tx, f"rs-{tag}", directory, checkpoint_id, scope)
+            await orch.committer.run(start)
+            row = await wait_terminal(orch, models.restores, f"rs-{tag}", ("done", "failed"))
+            calls = [c for c in (await rpc_calls(orch)).values()
+                     if c["entity_id"] == f"rs-{tag}" and c["path"].endswith("/restore")]
+        finally:
+            await orch.stop()
+            fresh.kill()
+        assert (row["state"], row["detail"]) == ("done", None), (tag, row["state"], row["detail"])
+        assert (row["checkpoint_id"], row["scope"]) == (f"ck-{tag}", sorted(published["scope"])), (tag, row)
+        # Every participant restored exactly that scope, each episode as its next attempt.
+        assert sorted(c["target"] for c in calls) == sorted(fresh.url(k) for k in KINDS), (tag, calls)
+        want = sorted(EpisodeId.from_capture_key(k).next_attempt().capture_key for k in published["scope"])
+        for call in calls:
+            assert call["state"] == "succeeded" and call["result"]["restored"] == want, (tag, call)
+            assert call["result"]["source_checkpoint_id"] == f"ck-{tag}", (tag, call)
+        sizes.append(len(scope))
+    return sizes
 
 
 async def test_every_checkpoint_crash_point_recovers(backend: str, request: pytest.FixtureRequest, procs: Procs,
@@ -124,9 +212,13 @@ async def test_every_checkpoint_crash_point_recovers(backend: str, request: pyte
     points = targets(reached, [machines.CHECKPOINTS, machines.CHECKPOINT_MEMBERS])
     assert {"checkpoints:committed->published", "checkpoints:resuming->done",
             "checkpoint_members:committed->resuming"} <= set(points) and len(points) >= 15, points
+    tags = ["clean"]
     for n, point in enumerate(points):
         _, codes = await checkpoint_run(backend, request, tmp_path, stack, controller, f"t{n}", point)
         assert codes == [-signal.SIGKILL, 0], f"{point}: the hook did not fire ({codes})"
+        tags.append(f"t{n}")
+    # Every published checkpoint restores (each one holds both live episodes: checked per run).
+    assert await restore_every_checkpoint(backend, request, procs, tmp_path, tags) == [2] * len(tags)
 
 
 # -- restore ----------------------------------------------------------------------------------------
@@ -135,14 +227,15 @@ async def test_every_restore_crash_point_recovers(backend: str, request: pytest.
                                                    controller: Controller, tmp_path: Path) -> None:
     # One uncrashed checkpoint of episodes mid-way; its source processes are then SIGKILLed.
     source = await start_stack(procs, {k: tmp_path / "source" / k for k in KINDS}, env_delay=0.2)
-    tasks = {f"r{i}": {"prompt": f"p{i}", "turns": TURNS} for i in range(2)}
+    # Long enough to be mid-way when the worker (a fresh process) prepares.
+    tasks = {f"r{i}": {"prompt": f"p{i}", "turns": LIVE_TURNS} for i in range(2)}
     runs = [asyncio.create_task(controller.post(source.url("environment"), "/run", {"rollout_id": r, "task": t}))
             for r, t in tasks.items()]
     await asyncio.sleep(0.5)
     directory = tmp_path / "ckpts"
     _, row, codes = await run_and_check(backend, request, tmp_path / "source.db", source, "checkpoint",
                                         ["ck-src", str(directory)], None, ["checkpoints"], models.checkpoints)
-    assert codes == [0] and row.state == "done" and row.scope
+    assert codes == [0] and row.state == "done" and sorted(row.scope) == sorted(tasks), row.scope
     source.kill()
     for run in runs:
         run.cancel()
@@ -164,7 +257,7 @@ async def test_every_restore_crash_point_recovers(backend: str, request: pytest.
                 steps = ran.get(episode.next_attempt().capture_key, {})
                 before = done_before.get(episode.rollout_id, set())
                 assert not set(steps) & before and all(n == 1 for n in steps.values()), (crash_at, steps)
-                assert set(steps) | before == all_steps(TURNS), (crash_at, steps, before)
+                assert set(steps) | before == all_steps(LIVE_TURNS), (crash_at, steps, before)
             return edges, codes
         finally:
             fresh.kill()

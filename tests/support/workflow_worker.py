@@ -2,14 +2,18 @@
 
     python -m tests.support.workflow_worker JOURNAL_URL WORKFLOW ARGS... -- NAME=URL...
 
-    checkpoint ID DIR           start checkpoint ID into DIR (if the journal does not hold it yet)
+    checkpoint ID DIR [RETIRE]  start checkpoint ID into DIR (if the journal does not hold it yet); with
+                                RETIRE (a rollout id), first retire its attempt 0 as retirement
+                                ``pre-ID`` and start the checkpoint only once that retirement is done
     restore ID DIR CHECKPOINT   restore CHECKPOINT from DIR as restore ID
     retire ID ROLLOUT ATTEMPT   retire ROLLOUT up to ATTEMPT as retirement ID
     forget ID ROLLOUT           forget ROLLOUT as retirement ID
 
 Waits for every named participant to be healthy, starts the workflow if its row does not exist,
 and runs until the row is terminal. ``TIDELOG_CRASH_AT`` (if set) kills it with SIGKILL right after
-that commit. Exit 0 when the row is terminal; 3 on a time-out.
+that commit. Every row is created only if it does not exist yet, so a run after a crash picks up
+where the crashed one stopped. Exit 0 when the row is terminal; 3 on a time-out; 4 when the
+retirement a checkpoint waits for failed.
 """
 
 from __future__ import annotations
@@ -54,16 +58,29 @@ async def main(journal_url: str, workflow: str, args: list[str], participants: d
     orch = Orchestrator(settings, journal=journal, clock=clock)
     await orch.start()
     p, t, entity_id = models.participants, TABLES[workflow], args[0]
+    rt = models.retirements
+    pre = f"pre-{entity_id}" if workflow == "checkpoint" and len(args) > 2 else None
     try:
         for _ in range(1200):
             async with journal.read() as conn:
                 row = (await conn.execute(sa.select(t.c.state).where(t.c.id == entity_id))).first()
                 healthy = (await conn.execute(sa.select(p).where(p.c.state == "healthy"))).all()
+                retired = None if pre is None else (await conn.execute(
+                    sa.select(rt.c.state, rt.c.detail).where(rt.c.id == pre))).first()
             if row is not None and row.state in TERMINAL:
                 return 0
             if row is None and len(healthy) == len(participants) and orch.is_leader:
-                members = [to_row("participants", r._mapping) for r in healthy]
-                await orch.committer.run(lambda tx: start(tx, workflow, args, members))
+                if pre is not None and retired is None:  # first retire, then (once done) checkpoint
+                    retirement_id, episode = pre, EpisodeId(rollout_id=args[2], attempt=0)
+                    await orch.committer.run(
+                        lambda tx: request_retirement(tx, retirement_id, "retire", episodes=[episode]))
+                elif retired is not None and retired.state != "done":
+                    if retired.state in TERMINAL:
+                        print(f"retirement {pre} ended {retired.state}: {retired.detail}", file=sys.stderr)
+                        return 4
+                else:
+                    members = [to_row("participants", r._mapping) for r in healthy]
+                    await orch.committer.run(lambda tx: start(tx, workflow, args, members))
             await asyncio.sleep(0.05)
         return 3
     finally:
