@@ -24,7 +24,6 @@ import urllib.parse
 from datetime import datetime
 from typing import Any
 
-from alembic.util import CommandError
 from sqlalchemy.exc import DBAPIError
 
 from journal import JournalError, audit, lease, schema
@@ -114,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"tidelog {args.command}: interrupted; a workflow already started goes on", file=sys.stderr)
         return 130
-    except (JournalError, ValueError, CommandError) as exc:
+    except (JournalError, ValueError) as exc:
         print(f"tidelog {args.command}: {exc}", file=sys.stderr)
         return 2
     except (OSError, DBAPIError) as exc:
@@ -125,8 +124,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _migrate(settings: Settings, args: argparse.Namespace) -> int:
+    from alembic.util import CommandError  # imported here only: Alembic is slow to import
+
     url = settings.journal.url
-    schema.upgrade(url, args.revision)
+    try:
+        schema.upgrade(url, args.revision)
+    except CommandError as exc:
+        print(f"tidelog migrate: {exc}", file=sys.stderr)
+        return 2
     journal = open_journal(settings)
     revision = asyncio.run(_current(journal))
     print(f"journal at {journal.url.redacted()} is at revision {revision}")

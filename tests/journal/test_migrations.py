@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -108,3 +109,20 @@ def test_revisions_form_one_line_ending_at_head() -> None:
     known = schema.known_revisions()
     assert schema.head_revision() in known
     assert "0001" in known
+
+
+def test_the_start_up_check_reads_the_same_revisions_as_alembic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # schema.head_revision/known_revisions read the scripts' lines instead of importing Alembic.
+    from alembic.script import ScriptDirectory
+
+    scripts = ScriptDirectory(str(schema.migrations_dir()))
+    assert schema.head_revision() == scripts.get_current_head()
+    assert schema.known_revisions() == {s.revision for s in scripts.walk_revisions()}
+    # Two heads (a branch) are refused, not guessed between.
+    versions = tmp_path / "versions"
+    versions.mkdir()
+    for rev, down in (("a1", None), ("b1", "a1"), ("b2", "a1")):
+        (versions / f"{rev}.py").write_text(f'revision = "{rev}"\ndown_revision = {down!r}\n'.replace("'", '"'))
+    monkeypatch.setenv("TIDELOG_MIGRATIONS_DIR", str(tmp_path))
+    with pytest.raises(RuntimeError, match=r"expected one Alembic head.*\['b1', 'b2'\]"):
+        schema.head_revision()
