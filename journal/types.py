@@ -23,8 +23,17 @@ from sqlalchemy.ext.compiler import compiles
 from .errors import InvalidPayload
 
 
+class Encoded(str):
+    """JSON text :func:`dumps` already produced: a JSON column stores it as it is (not as a string)."""
+
+    __slots__ = ()
+
+
 def dumps(value: Any) -> str:
-    """Serialize a JSON column value; refuses what JSON cannot hold exactly."""
+    """Serialize a JSON column value; refuses what JSON cannot hold exactly. An :class:`Encoded`
+    value is already serialized and is returned as it is."""
+    if isinstance(value, Encoded):
+        return value
     try:
         return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as exc:

@@ -33,7 +33,7 @@ from sqlalchemy.dialects.postgresql.base import PGDialect
 from . import models
 from .batch import Create, Op, Transition
 from .errors import DuplicateEntity, InvalidPayload, LeaseLost, StaleRow
-from .types import dumps
+from .types import Encoded, dumps
 from .writer import Buffered, Params, Writer
 
 if TYPE_CHECKING:
@@ -406,7 +406,7 @@ class WriteTx:
 
     # -- internals -------------------------------------------------------------------------
     def _payload(self, kind: str, columns: Mapping[str, Any], note: Mapping[str, Any] | None
-                 ) -> dict[str, Any] | None:
+                 ) -> Encoded | None:
         payload: dict[str, Any] = {}
         if columns:
             payload["set"] = {k: jsonable(v) for k, v in columns.items()}
@@ -415,13 +415,14 @@ class WriteTx:
         if not payload:
             return None
         try:
-            dumps(payload)  # refuse NaN/unserialisable values before anything is written
+            # Serialized once, here: NaN or an unserialisable value is refused before anything is
+            # written, and the event's JSON column stores this text as it is.
+            return Encoded(dumps(payload))
         except InvalidPayload as exc:
             raise InvalidPayload(f"{kind} event payload", str(exc).split(": ", 1)[-1]) from None
-        return payload
 
     def _event_row(self, kind: str, entity_id: str, from_state: str | None, to_state: str,
-                   version: int, reason: str, payload: dict[str, Any] | None) -> dict[str, Any]:
+                   version: int, reason: str, payload: Encoded | None) -> dict[str, Any]:
         fence = self.fence
         actor = fence.holder if fence is not None else self.journal.actor
         return {"entity_kind": kind, "entity_id": entity_id, "from_state": from_state,
@@ -430,7 +431,7 @@ class WriteTx:
                 "ts": self.now}
 
     def _record(self, kind: str, entity_id: str, from_state: str | None, to_state: str,
-                version: int, reason: str, payload: dict[str, Any] | None) -> Committed:
+                version: int, reason: str, payload: Encoded | None) -> Committed:
         from .database import Committed
 
         self._events.append(self._event_row(kind, entity_id, from_state, to_state, version, reason, payload))
