@@ -22,13 +22,14 @@ import signal
 import sys
 import urllib.parse
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy.exc import DBAPIError
 
 from journal import JournalError, audit, lease, schema
 
-from . import demo, logs
+from . import logs
 from .config import ConfigError, Settings, load
 from .leader import LEASE_NAME
 from .progress import ApiFailure, Client, Display, api_url, watch
@@ -77,11 +78,23 @@ def _parser() -> argparse.ArgumentParser:
     fg = _workflow(sub, "forget", "forget a finished or retired rollout everywhere")
     fg.add_argument("rollout", help="rollout id")
     d = sub.add_parser("demo", help="checkpoint reference participants mid-episode, SIGKILL them, restore, finish")
-    demo.add_arguments(d)
+    demo_arguments(d)
     return p
 
 
+def demo_arguments(p: argparse.ArgumentParser) -> None:
+    """The demo's options (here, so that building the parser does not import the demo)."""
+    p.add_argument("--workdir", type=Path, default=Path("demo-run"),
+                   help="where the demo writes; emptied first (default ./demo-run)")
+    p.add_argument("--journal-url", help="journal URL (default: a SQLite file in the workdir)")
+    p.add_argument("--episodes", type=int, default=6, help="episodes in flight (default 6)")
+    p.add_argument("--turns", type=int, default=4, help="turns per episode (default 4)")
+    p.add_argument("--step-delay", type=float, default=0.3, help="seconds each environment step takes (default 0.3)")
+
+
 def _demo(settings: Settings, args: argparse.Namespace) -> int:
+    from . import demo  # only this command needs it: keeps every other command's start-up short
+
     return demo.run_demo(args)
 
 

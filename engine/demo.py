@@ -293,15 +293,6 @@ async def run(args: argparse.Namespace) -> int:
         fleet.stop_all()
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workdir", type=Path, default=Path("demo-run"),
-                   help="where the demo writes; emptied first (default ./demo-run)")
-    p.add_argument("--journal-url", help="journal URL (default: a SQLite file in the workdir)")
-    p.add_argument("--episodes", type=int, default=6, help="episodes in flight (default 6)")
-    p.add_argument("--turns", type=int, default=4, help="turns per episode (default 4)")
-    p.add_argument("--step-delay", type=float, default=0.3, help="seconds each environment step takes (default 0.3)")
-
-
 def run_demo(args: argparse.Namespace) -> int:
     if args.episodes < 1 or args.turns < 1 or args.step_delay < 0:
         print("tidelog demo: --episodes and --turns must be >= 1, --step-delay >= 0", file=sys.stderr)
@@ -312,7 +303,9 @@ def run_demo(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tidelog demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
+    from .cli import demo_arguments
+
+    demo_arguments(p)
     return run_demo(p.parse_args(argv))
 
 
