@@ -47,7 +47,8 @@ recorded, the orchestrator is SIGKILLed (checkpoint ``preparing``, one call ``in
   next acquire attempt (every ``lease_renew_s``); ``immediate_lease_s`` is when it led.
 
 ``--diagnose`` also counts and times a few engine coroutines per checkpoint (the checkpoint
-controller's reconcile, member reads, fan-out; ``outbox.ensure``/``claim_due``/``succeed``/``next_due``).
+controller's reconcile, member reads, a step's calls settling and its write; the reads of call
+states and replies; ``outbox.next_due``). Times are elapsed, so they include waiting for the loop.
 
 The run ends with one JSON line holding every figure.
 
