@@ -38,6 +38,8 @@ log = logging.getLogger("tidelog.dispatcher")
 OnDone = Callable[[str, str], None]
 #: Shared bodies kept in memory (a fan-out needs one; a few fan-outs may overlap).
 BODY_CACHE = 64
+#: Reads of a shared body before its call is given up as not sent.
+BODY_READ_TRIES = 4
 
 
 class Dispatcher:
@@ -178,12 +180,24 @@ class Dispatcher:
         reading = self._reading.get(body_id)
         if reading is None:
             reading = self._reading[body_id] = asyncio.ensure_future(self._read_body(body_id))
+            # Retrieved even when every waiter was cancelled, so a failed read is not logged as lost.
+            reading.add_done_callback(lambda f: f.cancelled() or f.exception())
         return await asyncio.shield(reading)
 
     async def _read_body(self, body_id: str) -> bytes:
+        delay = 0.05
         try:
-            async with self._journal.read() as conn:
-                found = await outbox.read_bodies(conn, [body_id])
+            for attempt in range(1, BODY_READ_TRIES + 1):
+                try:
+                    async with self._journal.read() as conn:
+                        found = await outbox.read_bodies(conn, [body_id])
+                    break
+                except Exception:
+                    # A database hiccup must not cost the call its attempt (a prepare has only one).
+                    if attempt == BODY_READ_TRIES:
+                        raise
+                    await self._clock.sleep(delay)
+                    delay *= 2
         finally:
             self._reading.pop(body_id, None)
         if body_id not in found:

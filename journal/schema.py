@@ -17,8 +17,9 @@ if TYPE_CHECKING:
 
 # Alembic is imported only to apply revisions: the start-up check reads the scripts' own
 # ``revision``/``down_revision`` lines (importing Alembic costs ~0.3 s of a restart).
-_REVISION = re.compile(r"^revision\s*=\s*[\"']([^\"']+)[\"']", re.M)
-_DOWN = re.compile(r"^down_revision\s*=\s*(?:None|[\"']([^\"']+)[\"'])", re.M)
+_REVISION = re.compile(r"^revision(?:\s*:[^=\n]*)?\s*=\s*[\"']([^\"']+)[\"']", re.M)
+_DOWN = re.compile(r"^down_revision(?:\s*:[^=\n]*)?\s*=\s*(.+)$", re.M)
+_QUOTED = re.compile(r"[\"']([^\"']+)[\"']")
 
 
 def migrations_dir() -> Path:
@@ -37,22 +38,23 @@ def alembic_config(url: str) -> Config:
     return cfg
 
 
-def _revisions() -> dict[str, str | None]:
-    """Revision -> the revision it follows, read from the scripts under ``migrations/versions``."""
-    out: dict[str, str | None] = {}
+def _revisions() -> dict[str, set[str]]:
+    """Revision -> the revisions it follows (none for the first; several for a merge), read from
+    the scripts under ``migrations/versions``."""
+    out: dict[str, set[str]] = {}
     for script in sorted((migrations_dir() / "versions").glob("*.py")):
         text = script.read_text()
         rev, down = _REVISION.search(text), _DOWN.search(text)
         if rev is None or down is None:
             raise RuntimeError(f"{script}: no revision/down_revision line")
-        out[rev.group(1)] = down.group(1)
+        out[rev.group(1)] = set(_QUOTED.findall(down.group(1)))
     return out
 
 
 def head_revision() -> str:
-    """The one revision no other follows (the history is linear)."""
+    """The one revision no other follows."""
     revisions = _revisions()
-    heads = set(revisions) - {down for down in revisions.values() if down is not None}
+    heads = set(revisions) - {down for downs in revisions.values() for down in downs}
     if len(heads) != 1:
         raise RuntimeError(f"expected one Alembic head under {migrations_dir()}, found {sorted(heads) or 'none'}")
     return heads.pop()

@@ -215,7 +215,11 @@ class WriteTx:
             stmt = _update_stmt(table, tuple(sorted(first.changes)))
             params = [prep["params"] for prep in preps]
         sp = await self._w.savepoint()
-        result = await self._w.execute(stmt, params)
+        try:
+            result = await self._w.execute(stmt, params)
+        except BaseException:
+            await self._w.rollback_to(sp)  # a value the database refused: let the caller's rollback see a clean state
+            raise
         if result.rowcount == len(ops):
             await self._w.release(sp)
             return True
@@ -246,7 +250,11 @@ class WriteTx:
                                f"e_payload_{i}": prep["payload"], f"ord_{i}": i,
                                **{f"c_{n}_{i}": op.changes[n] for n in columns}})
         sp = await self._w.savepoint()
-        written = (await self._w.execute(stmt, params)).all()
+        try:
+            written = (await self._w.execute(stmt, params)).all()
+        except BaseException:
+            await self._w.rollback_to(sp)
+            raise
         if len(written) == len(ops):
             await self._w.release(sp)
             for prep in preps:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -13,7 +14,7 @@ from engine.clock import SystemClock
 from engine.committer import GroupCommitter
 from engine.dispatcher import Dispatcher
 from engine.rpc import CallTimeout, RemoteError, RpcClient, TransportError
-from journal import Journal, audit, lease, outbox
+from journal import Journal, audit, lease, models, outbox
 
 
 class Scripted:
@@ -179,3 +180,42 @@ async def test_credentials_in_a_target_never_reach_an_error() -> None:
         await rpc.close()
     assert "s3cret" not in str(info.value) and "alice" not in str(info.value)
     assert "s3cret" not in str(info.value.as_dict())
+
+
+async def test_calls_of_one_shared_body_send_the_same_bytes_and_a_missing_body_sends_nothing(
+        journal: Journal, remote: Scripted) -> None:
+    rpc = RpcClient(token=None, transport_tries=1)
+    d, committer, _ = await make_dispatcher(journal, rpc)
+    shared = outbox.Body.of({"checkpoint_id": "ck", "episode_ids": [{"rollout_id": "r", "attempt": 2 ** 70}]})
+    lost = outbox.Body.of({"lost": True})
+    async with journal.write() as tx:
+        owner = await tx.create("participants", "owner", reason="owner", values={"url": remote.url})
+        assert owner is not None
+        row = await tx.get("participants", "owner")
+        assert row is not None
+        intents = [outbox.Intent.for_row(row, target=remote.url, method="POST", path=f"/s{i}", shared=shared)
+                   for i in range(3)]
+        intents.append(outbox.Intent.for_row(row, target=remote.url, method="POST", path="/gone", shared=lost,
+                                             max_attempts=2))
+        await outbox.ensure_all(tx, [(i, "test") for i in intents])
+        # The body of the last call disappears (rpc_bodies is not an entity table; nothing else deletes it).
+        await tx.execute(models.rpc_bodies.delete().where(models.rpc_bodies.c.id == lost.id))
+    with pytest.raises(ValueError, match="either a body or a shared body"):
+        async with journal.write() as tx:
+            await outbox.ensure_all(tx, [(outbox.Intent.for_row(row, target=remote.url, method="POST", path="/b",
+                                                                body={"x": 1}, shared=shared), "both")])
+    task = asyncio.create_task(d.run())
+    try:
+        rows = await wait_settled(journal, [i.id for i in intents])
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await committer.close()
+        await rpc.close()
+    stored = [rows[i.id] for i in intents[:3]]
+    assert all(r.state == "succeeded" and r["body"] is None and r["body_id"] == shared.id for r in stored)
+    assert all(r["result"]["body"] == json.loads(shared.content) for r in stored)
+    gone = rows[intents[3].id]
+    assert gone.state == "failed" and gone["attempts"] == 2 and gone["error"]["sent"] is False
+    assert "shared body unavailable" in gone["error"]["detail"] and "gone" not in remote.calls
+    assert await audit.verify(journal) == []

@@ -126,3 +126,6 @@ def test_the_start_up_check_reads_the_same_revisions_as_alembic(tmp_path: Path, 
     monkeypatch.setenv("TIDELOG_MIGRATIONS_DIR", str(tmp_path))
     with pytest.raises(RuntimeError, match=r"expected one Alembic head.*\['b1', 'b2'\]"):
         schema.head_revision()
+    # A merge revision (a tuple) joins them; annotated lines, as newer Alembic templates write them.
+    (versions / "c1.py").write_text('revision: str = "c1"\ndown_revision: tuple[str, str] = ("b1", "b2")\n')
+    assert schema.head_revision() == "c1" and schema.known_revisions() == {"a1", "b1", "b2", "c1"}
