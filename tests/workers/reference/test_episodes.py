@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.support.reference_procs import KINDS, Controller, Procs, Stack, deadline, start_stack
+from tests.support.workflows import by_rollout, steps_of
 from workers.protocol import EpisodeId
 from workers.reference.model import action_for
 from workers.reference.resources import check_ok
@@ -24,26 +25,6 @@ pytestmark = pytest.mark.slow
 
 TURNS = 3
 TASKS = {f"r{i}": {"prompt": f"reference task {i}", "turns": TURNS} for i in range(4)}
-
-
-def steps_of(kind: str, turns: int = TURNS) -> set[str]:
-    """Every step one episode completes on a server of ``kind``."""
-    if kind == "environment":
-        return {f"turn-{t}:{s}" for t in range(1, turns + 1) for s in ("act", "check")} | {"verify"}
-    if kind == "model":
-        return {f"generate-{t}" for t in range(1, turns + 1)}
-    if kind == "agent":
-        return {f"act-{t}" for t in range(1, turns + 1)}
-    return {f"check-{t}" for t in range(1, turns + 1)} | {"verify"}
-
-
-def by_rollout(*snapshots: dict[str, dict[str, int]]) -> dict[str, Counter[str]]:
-    """Executions summed per rollout over several processes' ``executions``."""
-    total: defaultdict[str, Counter[str]] = defaultdict(Counter)
-    for snapshot in snapshots:
-        for key, steps in snapshot.items():
-            total[EpisodeId.from_capture_key(key).rollout_id].update(steps)
-    return dict(total)
 
 
 def expected_result(prompt: str, turns: int) -> dict[str, Any]:
@@ -71,7 +52,7 @@ async def test_full_episode_runs_every_step_once(procs: Procs, controller: Contr
     assert len(set(result["actions"])) == TURNS
     for kind in KINDS:
         status = await controller.status(stack.url(kind))
-        assert status["executions"] == {"whole": {step: 1 for step in steps_of(kind)}}, kind
+        assert status["executions"] == {"whole": {step: 1 for step in steps_of(kind, TURNS)}}, kind
         assert status["phase"] == "idle" and status["report"]["ready"]
     # A finished episode leaves nothing behind: its agent session and model ledger are freed.
     assert (await controller.status(stack.url("agent")))["sessions"] == 0
