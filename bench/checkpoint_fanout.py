@@ -48,7 +48,8 @@ recorded, the orchestrator is SIGKILLed (checkpoint ``preparing``, one call ``in
 
 ``--diagnose`` also counts and times a few engine coroutines per checkpoint (the checkpoint
 controller's reconcile, member reads, a step's calls settling and its write; the reads of call
-states and replies; ``outbox.next_due``). Times are elapsed, so they include waiting for the loop.
+states and replies; ``outbox.ensure_all``/``next_due``; the dispatcher's claims and outcome records).
+Times are elapsed, so they include waiting for the loop.
 
 The run ends with one JSON line holding every figure.
 
@@ -398,8 +399,8 @@ class Diagnosis:
                ("engine.controllers.checkpoint", None, "call_states"),
                ("engine.controllers.checkpoint", "CheckpointController", "_settled"),
                ("engine.controllers.checkpoint", "CheckpointController", "_write"),
-               ("journal.outbox", None, "ensure"), ("journal.outbox", None, "claim_due"),
-               ("journal.outbox", None, "succeed"), ("journal.outbox", None, "next_due"))
+               ("journal.outbox", None, "ensure_all"), ("journal.outbox", None, "next_due"),
+               ("engine.dispatcher", "Dispatcher", "_claim"), ("engine.dispatcher", "Dispatcher", "_record"))
 
     def __init__(self) -> None:
         self.stats: dict[str, list[float]] = {}
