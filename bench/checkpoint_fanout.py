@@ -47,8 +47,8 @@ recorded, the orchestrator is SIGKILLed (checkpoint ``preparing``, one call ``in
   next acquire attempt (every ``lease_renew_s``); ``immediate_lease_s`` is when it led.
 
 ``--diagnose`` also counts and times a few engine coroutines per checkpoint (the checkpoint
-controller's reconcile, member reads, a step's calls settling and its write; the reads of call
-states and replies; ``outbox.ensure_all``/``next_due``; the dispatcher's claims and outcome records).
+controller's reconcile, member reads, a step's calls settling and its write; the read of a step's
+calls; ``outbox.ensure_all``/``next_due``; the dispatcher's claims and outcome records).
 Times are elapsed, so they include waiting for the loop.
 
 The run ends with one JSON line holding every figure.
@@ -396,7 +396,6 @@ class Diagnosis:
     TARGETS = (("engine.controllers.checkpoint", "CheckpointController", "reconcile"),
                ("engine.controllers.checkpoint", "CheckpointController", "_members"),
                ("engine.controllers.checkpoint", None, "read_calls"),
-               ("engine.controllers.checkpoint", None, "call_states"),
                ("engine.controllers.checkpoint", "CheckpointController", "_settled"),
                ("engine.controllers.checkpoint", "CheckpointController", "_write"),
                ("journal.outbox", None, "ensure_all"), ("journal.outbox", None, "next_due"),

@@ -2,7 +2,9 @@
 
 Loop: claim due ``pending`` intents (``pending -> inflight``, fenced, group
 committed), call each with bounded concurrency outside any transaction, then
-record the outcome and wake the owning entity:
+record the outcome and wake the owning entity. A repeatable call its writer
+created already ``inflight`` (claimed at creation) is handed over with
+:meth:`Dispatcher.send` after its commit and skips the claim:
 
 - a 2xx reply: ``inflight -> succeeded`` with the reply;
 - a non-2xx reply with a 4xx status: ``inflight -> failed`` with status, code
@@ -22,7 +24,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from journal import Fence, Journal, LeaseLost, StaleRow, Transition, outbox
@@ -64,9 +66,22 @@ class Dispatcher:
         # Shared bodies by id (content-addressed, so never stale); the bytes every call of a fan-out sends.
         self._bodies: OrderedDict[str, bytes] = OrderedDict()
         self._reading: dict[str, asyncio.Future[bytes]] = {}
+        self._running = False
+        self._slots_wanted = False
 
     def wake(self) -> None:
         self._wake.set()
+
+    def send(self, calls: Sequence[Row]) -> None:
+        """Send calls their writer created ``inflight`` (claimed at creation, committed).
+
+        While the dispatcher is not running (stopping, or stepped down) they are left
+        ``inflight``: the next leader's recovery re-sends them, like any claimed call.
+        """
+        if not self._running:
+            log.warning("not sending %d rpc calls claimed at creation: the dispatcher is not running", len(calls))
+            return
+        self._start(list(calls))
 
     def on_commit(self, committed: Any) -> None:
         """Journal commit listener: a new or re-queued intent wakes the dispatcher."""
@@ -95,6 +110,7 @@ class Dispatcher:
         A database error in one pass is logged and the pass is tried again after
         ``poll_s``: the dispatcher only stops when it is cancelled.
         """
+        self._running = True
         try:
             while True:
                 try:
@@ -107,6 +123,7 @@ class Dispatcher:
                     log.exception("dispatcher pass failed; trying again in %.1fs", self._poll_s)
                     await self._clock.sleep(self._poll_s)
         finally:
+            self._running = False
             if self._calls:
                 await asyncio.gather(*list(self._calls), return_exceptions=True)
 
@@ -114,6 +131,9 @@ class Dispatcher:
         """Claim what is due and start the calls; True when the claim was full."""
         self._wake.clear()
         limit = min(self._concurrency - len(self._calls), self._batch)
+        # Every slot taken: a finished call wakes the loop (else only commits and timers do, so a
+        # fan-out's hundreds of replies do not each cost a look at the outbox).
+        self._slots_wanted = limit <= 0
         if limit <= 0:
             return False
 
@@ -151,7 +171,8 @@ class Dispatcher:
 
     def _call_done(self, task: asyncio.Task[None]) -> None:
         self._calls.discard(task)
-        self._wake.set()
+        if self._slots_wanted:
+            self._wake.set()
 
     async def _sleep_until_due(self) -> None:
         delay = self._poll_s

@@ -57,6 +57,25 @@ class Context:
         self.services = services
         self._committer = committer
         self._reader = GroupReader(journal)
+        self._sender: Callable[[Sequence[Row]], None] | None = None
+
+    def attach_sender(self, send: Callable[[Sequence[Row]], None]) -> None:
+        """Let controllers claim the calls they write (see :attr:`claims`); ``send`` takes them."""
+        self._sender = send
+
+    @property
+    def claims(self) -> bool:
+        """Whether writes may create repeatable calls already ``inflight``
+        (``outbox.ensure_all(..., claim=ctx.claims)``): only where a dispatcher takes them
+        through :meth:`send` after the commit."""
+        return self._sender is not None
+
+    def send(self, calls: Sequence[Row]) -> None:
+        """Hand calls this orchestrator created ``inflight`` (committed) to its dispatcher."""
+        if calls:
+            if self._sender is None:
+                raise RuntimeError("calls were claimed at creation, but no dispatcher is attached to send them")
+            self._sender(calls)
 
     async def write(self, fn: Callable[[WriteTx], Awaitable[T]]) -> T:
         """Run ``fn`` in a fenced (group-committed) write transaction."""

@@ -67,6 +67,8 @@ class Orchestrator:
                                      self.reconciler.enqueue, concurrency=d.concurrency, batch=d.batch,
                                      poll_s=d.poll_s, backoff_base_s=d.backoff_base_s,
                                      backoff_cap_s=d.backoff_cap_s, metrics=self.metrics)
+        # Controllers claim the repeatable calls they write; this dispatcher sends them after the commit.
+        self.reconciler.ctx.attach_sender(self.dispatcher.send)
         self.discovery: DiscoveryController | None = None
         if with_discovery:
             ds = settings.discovery
@@ -85,6 +87,11 @@ class Orchestrator:
         self.with_discovery = with_discovery
         # Crash hooks run first, so an armed hook kills the process before any wake-up.
         self.journal.add_commit_listener(CrashHooks())
+        # A controller that keeps an in-memory view of its calls hears every commit (before wake-ups).
+        for controller in self.reconciler.controllers.values():
+            listener = getattr(controller, "on_commit", None)
+            if listener is not None:
+                self.journal.add_commit_listener(listener)
         self.journal.add_commit_listener(self.reconciler.on_commit)
         self.journal.add_commit_listener(self.dispatcher.on_commit)
         self._work: list[asyncio.Task[None]] = []
@@ -121,10 +128,11 @@ class Orchestrator:
             log.exception("start-up recovery failed; stepping down")
             self.leader.lost()
             return
-        self._work = [asyncio.create_task(self._supervise("reconciler", self.reconciler.run()),
-                                          name="tidelog-reconciler"),
-                      asyncio.create_task(self._supervise("dispatcher", self.dispatcher.run()),
-                                          name="tidelog-dispatcher")]
+        # The dispatcher first: it must be running before a controller hands it calls it claimed.
+        self._work = [asyncio.create_task(self._supervise("dispatcher", self.dispatcher.run()),
+                                          name="tidelog-dispatcher"),
+                      asyncio.create_task(self._supervise("reconciler", self.reconciler.run()),
+                                          name="tidelog-reconciler")]
 
     async def _supervise(self, name: str, work: Coroutine[Any, Any, None]) -> None:
         """Run one of the leader's loops; if it ever ends on its own, step down.

@@ -106,7 +106,9 @@ PARTICIPANTS = StateMachine.build(
 
 RPC_CALLS = StateMachine.build(
     "rpc_calls",
-    initial=["pending"],
+    # Created inflight: a repeatable call claimed by the orchestrator that writes it, whose own
+    # dispatcher sends it after the commit (journal.outbox.ensure_all with claim=True).
+    initial=["pending", "inflight"],
     edges={
         "pending": ["inflight", "failed"],
         # inflight -> pending: a transport error with attempts left, or recovery of a

@@ -98,8 +98,20 @@ async def ensure(tx: WriteTx, intent: Intent, *, reason: str) -> str:
     return intent.id
 
 
-async def ensure_all(tx: WriteTx, intents: Sequence[tuple[Intent, str]]) -> None:
+async def ensure_all(tx: WriteTx, intents: Sequence[tuple[Intent, str]], *, claim: bool = False) -> list[Row]:
     """Create each ``(intent, reason)`` that does not exist yet; each shared body is stored once.
+
+    Every intent is created ``pending`` (the dispatcher claims it) unless ``claim``: then
+    each *repeatable* intent is created already ``inflight``, its first attempt counted —
+    claimed by the writer, whose dispatcher must be handed the returned rows after the
+    commit (``Dispatcher.send``). That saves the claim's own transaction; a crash before
+    the send leaves the call ``inflight``, which recovery puts back to ``pending`` and
+    re-sends with the same key, as for any claimed call. A call not safe to repeat is
+    never created ``inflight``: recovery would take a call that was never sent for one
+    that may have arrived, and make it ambiguous.
+
+    Returns the rows created ``inflight`` (only those this transaction created: an intent
+    that already existed is left as it is and not returned).
 
     Raises ``ValueError`` before anything is written for a timeout or an attempt
     limit out of range, or an intent with both a body and a shared body.
@@ -115,15 +127,21 @@ async def ensure_all(tx: WriteTx, intents: Sequence[tuple[Intent, str]]) -> None
     for body_id, body in bodies.items():
         await tx.execute(_insert_body_stmt(tx.journal.backend),
                          {"id": body_id, "content": body.content.decode(), "created_at": tx.now})
+    creates: list[Create] = []
+    for intent, reason in intents:
+        claimed_now = claim and intent.repeatable
+        creates.append(Create(KIND, intent.id, reason, {
+            "entity_kind": intent.owner_kind, "entity_id": intent.owner_id, "target": intent.target,
+            "method": intent.method.upper(), "path": intent.path, "body": intent.body,
+            "body_id": None if intent.shared is None else intent.shared.id,
+            "timeout_s": float(intent.timeout_s), "repeatable": intent.repeatable, "pool": intent.pool,
+            "attempts": 1 if claimed_now else 0, "max_attempts": intent.max_attempts, "next_attempt_at": tx.now,
+            "result": None, "error": None,
+        }, "inflight" if claimed_now else "pending", if_absent=True))
     # One create per intent, written together (a run of creates is one statement on both backends).
-    await tx.apply([Create(KIND, intent.id, reason, {
-        "entity_kind": intent.owner_kind, "entity_id": intent.owner_id, "target": intent.target,
-        "method": intent.method.upper(), "path": intent.path, "body": intent.body,
-        "body_id": None if intent.shared is None else intent.shared.id,
-        "timeout_s": float(intent.timeout_s), "repeatable": intent.repeatable, "pool": intent.pool,
-        "attempts": 0, "max_attempts": intent.max_attempts, "next_attempt_at": tx.now,
-        "result": None, "error": None,
-    }, if_absent=True) for intent, reason in intents])
+    written = await tx.apply(creates)
+    return [Row(KIND, op.entity_id, "inflight", 1, dict(op.values))
+            for op, done in zip(creates, written) if done is not None and op.state == "inflight"]
 
 
 @lru_cache(maxsize=2)

@@ -39,19 +39,19 @@ import asyncio
 import json
 import os
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
 
-from journal import Transition, WriteTx, machines, models, outbox
+from journal import Committed, Transition, WriteTx, machines, models, outbox
 from journal.writes import Row
 from workers.protocol import EpisodeId
 
 from ..reconciler import Context, Result
-from .fanout import SETTLED, call_states, control_intent, describe_error, read_calls, timings
+from .fanout import SETTLED, control_intent, describe_error, read_calls, timings
 from .retirement import KIND as RETIREMENTS
 from .retirement import request_retirement
 
@@ -72,6 +72,16 @@ class CheckpointSettings:
     prepare_timeout_s: float = 30.0
     commit_timeout_s: float = 120.0
     resume_timeout_s: float = 30.0
+
+
+@dataclass
+class _Flight:
+    """A step in flight: the checkpoint's version that wrote its calls, its deadline, and the ids
+    of its calls not yet seen settled."""
+
+    version: int
+    deadline: float
+    open: set[str]
 
 
 @dataclass(frozen=True)
@@ -129,11 +139,48 @@ class CheckpointController:
 
     def __init__(self, settings: CheckpointSettings | None = None) -> None:
         self.settings = settings or CheckpointSettings()
-        # Checkpoint id -> (version, deadline, ids of the calls of its step in flight): while any
-        # is open, a wake-up (one per completed call) only reads those calls' states. Intent ids
-        # are a pure function of the row's state and version and the members' URLs, so a stale
-        # entry can only name calls that no longer decide anything; the version guards that.
-        self._in_flight: dict[str, tuple[int, float, list[str]]] = {}
+        # Checkpoint id -> the calls of its current step not yet seen settled (by on_commit, which
+        # sees every commit of this process): while any is open and the step's deadline has not
+        # passed, a wake-up (one per completed call) reads nothing but the row. Only a shortcut:
+        # a decision always reads the calls from the journal, and past the deadline (or with no
+        # entry, after a restart) every reconcile does. The version guards a stale entry.
+        self._in_flight: dict[str, _Flight] = {}
+        self._flight_of: dict[str, str] = {}  # call id -> checkpoint id, for on_commit
+
+    def on_commit(self, committed: Sequence[Committed]) -> None:
+        """Journal commit listener: strike settled calls off their checkpoint's open set."""
+        for c in committed:
+            if c.kind == outbox.KIND and c.to_state in SETTLED:
+                owner = self._flight_of.pop(c.entity_id, None)
+                flight = None if owner is None else self._in_flight.get(owner)
+                if flight is not None:
+                    flight.open.discard(c.entity_id)
+
+    def _track(self, checkpoint_id: str, version: int | None = None, deadline: float = 0.0,
+               calls: Collection[str] = (), settled: Collection[str] = ()) -> None:
+        """Note the step in flight at ``version`` (``None``: none): its ``calls``, less ``settled``.
+
+        An entry for the same version is kept and only narrowed: its step has the same calls, and
+        on_commit has kept it current, while ``settled`` may be a read older than its last update.
+        """
+        old = self._in_flight.get(checkpoint_id)
+        if old is not None and version is not None and old.version == version:
+            self._settle(old, settled)
+            return
+        if old is not None:
+            del self._in_flight[checkpoint_id]
+            self._settle(old, old.open)
+        if version is not None:
+            flight = _Flight(version, deadline, set(calls))
+            self._in_flight[checkpoint_id] = flight
+            self._flight_of.update(dict.fromkeys(flight.open, checkpoint_id))
+            self._settle(flight, settled)
+
+    def _settle(self, flight: _Flight, calls: Collection[str]) -> None:
+        for call_id in calls:
+            if call_id in flight.open:
+                flight.open.discard(call_id)
+                self._flight_of.pop(call_id, None)
 
     # -- reads ----------------------------------------------------------------------------------
 
@@ -192,12 +239,14 @@ class CheckpointController:
                                      max_attempts=3 if step.op == "resume" else 1) for m in step.members}
 
     async def _write(self, ctx: Context, row: Row, members: list[Row], ops: list[Transition],
-                     known: Collection[str] = ()) -> None:
+                     known: Mapping[str, str] | None = None) -> None:
         """Apply ``ops`` and, in the same transaction, make the calls of the step they lead to.
 
         The next step is planned on the rows as ``ops`` leave them, so a decision and the calls
-        it starts commit together; calls in ``known`` already exist and are not written again.
+        it starts commit together; calls in ``known`` (id -> state) already exist and are not
+        written again.
         """
+        known = known or {}
         after, moved = _project(row, members, ops)
         step = self._plan(after, moved)
         missing: list[tuple[outbox.Intent, str]] = []
@@ -206,30 +255,43 @@ class CheckpointController:
             intents = self._intents(after, step)
             missing = [(intents[m.id], f"{step.op} {m['participant']} for {row.id}") for m in step.members
                        if intents[m.id].id not in known]
-            self._in_flight[row.id] = (after.version, step.deadline, [i.id for i in intents.values()])
+            # Before the commit, so that on_commit sees every one of these calls settle.
+            self._track(row.id, after.version, step.deadline, [i.id for i in intents.values()],
+                        [i for i, state in known.items() if state in SETTLED])
             moves = [m for m in step.members if m.state in step.moving_from]
 
         moving = [Transition(MEMBERS, m.id, m.state, m.version, step.moving_to, f"{step.op} sent")
                   for m in moves if step is not None]
 
-        async def write(tx: WriteTx) -> None:
+        async def write(tx: WriteTx) -> list[Row]:
             await tx.apply(ops)
-            await outbox.ensure_all(tx, missing)
+            claimed = await outbox.ensure_all(tx, missing, claim=ctx.claims)
             await tx.apply(moving)
-        await ctx.write(write)
+            return claimed
+        try:
+            claimed = await ctx.write(write)
+        except BaseException:
+            self._track(row.id)  # nothing written: the next reconcile reads where the calls stand
+            raise
+        ctx.send(claimed)
 
     async def _settled(self, ctx: Context, row: Row, members: list[Row], step: _Step) -> dict[str, Row] | None:
         """Member id -> call (state, result, error) once every call of ``step`` settled; else ``None``
         (a completed call wakes the checkpoint again). Calls found missing are written now."""
         intents = self._intents(row, step)
-        states = await call_states(ctx, [i.id for i in intents.values()])
-        if len(states) < len(intents):
+        ids = [i.id for i in intents.values()]
+        # Tracked before the read: a call that settles during it is seen by on_commit.
+        self._track(row.id, row.version, step.deadline, ids)
+        # One read: states and replies together (a reconcile gets here once the step looks settled).
+        calls = await read_calls(ctx, ids)
+        settled = {i: c.state for i, c in calls.items()}
+        self._track(row.id, row.version, step.deadline, ids, [i for i, st in settled.items() if st in SETTLED])
+        if len(calls) < len(intents):
             # Only after a crash between a decision and its calls' commit, or at the start.
-            await self._write(ctx, row, members, [], set(states))
+            await self._write(ctx, row, members, [], settled)
             return None
-        if any(state not in SETTLED for state in states.values()):
+        if any(state not in SETTLED for state in settled.values()):
             return None
-        calls = await read_calls(ctx, states)
         return {mid: calls[i.id] for mid, i in intents.items()}
 
     def _deadline(self, row: Row, seconds: float) -> float:
@@ -245,13 +307,12 @@ class CheckpointController:
     async def reconcile(self, ctx: Context, entity_id: str) -> Result:
         row = await ctx.get(KIND, entity_id)
         if row is None or row.state in ("done", "aborted", "failed"):
-            self._in_flight.pop(entity_id, None)
+            self._track(entity_id)
             return Result()
         flight = self._in_flight.get(entity_id)
-        if flight is not None and flight[0] == row.version:
-            states = await call_states(ctx, flight[2])
-            if len(states) == len(flight[2]) and any(state not in SETTLED for state in states.values()):
-                return self._wait(flight[1])
+        if (flight is not None and flight.version == row.version and flight.open
+                and time.time() < flight.deadline + CALL_MARGIN_S):
+            return self._wait(flight.deadline)
         if row.state == "committed":
             await self._publish(ctx, row)
             return Result()

@@ -116,9 +116,9 @@ async def fan_out(ctx: Context, owner: Row, members: Sequence[Member], op: str, 
         missing = [(i, f"{op} {name} for {owner.kind} {owner.id}") for name, i in intents.items()
                    if i.id not in states]
 
-        async def write(tx: WriteTx) -> None:
-            await outbox.ensure_all(tx, missing)
-        await ctx.write(write)
+        async def write(tx: WriteTx) -> list[Row]:
+            return await outbox.ensure_all(tx, missing, claim=ctx.claims)
+        ctx.send(await ctx.write(write))
         return FanOut(open=True)
     calls = await read_calls(ctx, (i.id for i in intents.values()))
     out = FanOut()

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 from aiohttp import web
 
 from engine.clock import SystemClock
@@ -219,3 +220,70 @@ async def test_calls_of_one_shared_body_send_the_same_bytes_and_a_missing_body_s
     assert gone.state == "failed" and gone["attempts"] == 2 and gone["error"]["sent"] is False
     assert "shared body unavailable" in gone["error"]["detail"] and "gone" not in remote.calls
     assert await audit.verify(journal) == []
+
+
+async def test_calls_claimed_at_creation_are_sent_once_without_a_claim_and_recovered_if_never_sent(
+        journal: Journal, remote: Scripted) -> None:
+    rpc = RpcClient(token=None, transport_tries=1)
+    d, committer, _ = await make_dispatcher(journal, rpc)
+    remote.scripts = {"flaky": [503, 200]}
+    async with journal.write() as tx:
+        await tx.create("participants", "owner", reason="owner", values={"url": remote.url})
+        row = await tx.get("participants", "owner")
+        assert row is not None
+
+    def intent(path: str, **kw: Any) -> outbox.Intent:
+        return outbox.Intent.for_row(row, target=remote.url, method="POST", path=path, body={"p": path}, **kw)
+
+    early, late, flaky, unsafe = intent("/early"), intent("/late"), intent("/flaky"), intent("/u", repeatable=False)
+    async with journal.write() as tx:  # /early exists before (pending): it is not claimed a second time
+        await outbox.ensure_all(tx, [(early, "before")])
+    task = asyncio.create_task(d.run())
+    try:
+        await asyncio.sleep(0)  # the run loop starts (send refuses nothing from here on)
+        async with journal.write() as tx:
+            claimed = await outbox.ensure_all(tx, [(i, "claimed") for i in (early, late, flaky, unsafe)], claim=True)
+        # Only the repeatable calls this transaction created come back, inflight with their attempt counted.
+        assert [(c.id, c.state, c.version, c["attempts"]) for c in claimed] == [
+            (late.id, "inflight", 1, 1), (flaky.id, "inflight", 1, 1)]
+        d.send(claimed)
+        rows = await wait_settled(journal, [early.id, late.id, flaky.id, unsafe.id])
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert {i.path: rows[i.id].state for i in (early, late, flaky, unsafe)} == {
+        "/early": "succeeded", "/late": "succeeded", "/flaky": "succeeded", "/u": "succeeded"}
+    assert remote.calls == {"early": 1, "late": 1, "flaky": 2, "u": 1}
+    assert rows[flaky.id]["attempts"] == 2  # a transport error retries it through the normal claim
+    async with journal.read() as conn:
+        e = models.events
+        trail = {(r.entity_id, r.from_state, r.to_state) for r in (await conn.execute(
+            sa.select(e.c.entity_id, e.c.from_state, e.c.to_state).where(e.c.entity_kind == "rpc_calls"))).all()}
+    assert (late.id, None, "inflight") in trail and (late.id, "pending", "inflight") not in trail
+    assert (unsafe.id, None, "pending") in trail and (unsafe.id, "pending", "inflight") in trail
+
+    # Claimed, committed, never sent (the dispatcher is not running): recovery re-sends it once.
+    lost = intent("/lost")
+    async with journal.write() as tx:
+        left = await outbox.ensure_all(tx, [(lost, "claimed")], claim=True)
+    d.send(left)  # not running: left inflight
+    assert (await wait_state(journal, lost.id)) == "inflight"
+    assert {r.id: r.state for r in await d.recover()} == {lost.id: "pending"}
+    task = asyncio.create_task(d.run())
+    try:
+        rows = await wait_settled(journal, [lost.id])
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await committer.close()
+        await rpc.close()
+    assert rows[lost.id].state == "succeeded" and remote.calls["lost"] == 1
+    assert await audit.verify(journal) == []
+
+
+async def wait_state(journal: Journal, call_id: str) -> str:
+    await asyncio.sleep(0.2)  # long enough for a send that should not happen to have happened
+    async with journal.write() as tx:
+        row = await outbox.get(tx, call_id)
+    assert row is not None
+    return row.state

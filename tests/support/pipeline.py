@@ -18,6 +18,7 @@ import sqlalchemy as sa
 from engine.reconciler import Context, Result
 from journal import EntityKind, Journal, StateMachine, WriteTx, outbox
 from journal.models import entity_columns
+from journal.writes import Row
 
 STEPS = 5
 KIND = "pipelines"
@@ -59,11 +60,14 @@ class PipelineController:
         intent = outbox.Intent.for_row(row, target=self.target, method="POST", path="/apply",
                                        body={"pipeline": entity_id, "step": k}, timeout_s=5.0)
 
-        async def step(tx: WriteTx) -> None:
+        # Odd steps are claimed at creation (created inflight, handed to the dispatcher after the
+        # commit), even steps go through the dispatcher's claim: a run passes both ways in.
+        claim = ctx.claims and k % 2 == 1
+
+        async def step(tx: WriteTx) -> list[Row]:
             call = await outbox.get(tx, intent.id)
             if call is None:
-                await outbox.ensure(tx, intent, reason=f"step {k}")
-                return
+                return await outbox.ensure_all(tx, [(intent, f"step {k}")], claim=claim)
             if call.state == "succeeded":
                 nxt = "done" if k == self.steps - 1 else f"step{k + 1}"
                 results: list[Any] = list(row["results"] or []) + [call["result"]]
@@ -73,6 +77,7 @@ class PipelineController:
                 await tx.transition(KIND, entity_id, from_state=row.state, version=row.version,
                                     to_state="failed", reason=f"step {k} {call.state}",
                                     changes={"results": row["results"]})
+            return []
 
-        await ctx.write(step)
+        ctx.send(await ctx.write(step))
         return Result()
