@@ -136,6 +136,16 @@ class Reconciler:
         if kind in self.controllers:
             self.queue.add_after(key_of(kind, entity_id), delay_s)
 
+    def call_done(self, kind: str, entity_id: str) -> None:
+        """The dispatcher finished a call owned by ``kind``/``entity_id``: look at it again, unless
+        its controller says it is still waiting on other calls (an optional
+        ``waiting(entity_id) -> bool``; a fan-out then wakes its owner once, not once per reply)."""
+        controller = self.controllers.get(kind)
+        waiting = getattr(controller, "waiting", None)
+        if waiting is not None and waiting(entity_id):
+            return
+        self.enqueue(kind, entity_id)
+
     def on_commit(self, committed: Sequence[Committed]) -> None:
         """Journal commit listener: every entity written in this process is looked at again."""
         for c in committed:

@@ -39,7 +39,7 @@ import asyncio
 import json
 import os
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,7 +51,8 @@ from journal.writes import Row
 from workers.protocol import EpisodeId
 
 from ..reconciler import Context, Result
-from .fanout import SETTLED, control_intent, describe_error, read_calls, timings
+from .fanout import control_intent, describe_error, read_calls, timings
+from .open_calls import SETTLED, OpenCalls
 from .retirement import KIND as RETIREMENTS
 from .retirement import request_retirement
 
@@ -72,16 +73,6 @@ class CheckpointSettings:
     prepare_timeout_s: float = 30.0
     commit_timeout_s: float = 120.0
     resume_timeout_s: float = 30.0
-
-
-@dataclass
-class _Flight:
-    """A step in flight: the checkpoint's version that wrote its calls, its deadline, and the ids
-    of its calls not yet seen settled."""
-
-    version: int
-    deadline: float
-    open: set[str]
 
 
 @dataclass(frozen=True)
@@ -139,48 +130,23 @@ class CheckpointController:
 
     def __init__(self, settings: CheckpointSettings | None = None) -> None:
         self.settings = settings or CheckpointSettings()
-        # Checkpoint id -> the calls of its current step not yet seen settled (by on_commit, which
-        # sees every commit of this process): while any is open and the step's deadline has not
-        # passed, a wake-up (one per completed call) reads nothing but the row. Only a shortcut:
-        # a decision always reads the calls from the journal, and past the deadline (or with no
-        # entry, after a restart) every reconcile does. The version guards a stale entry.
-        self._in_flight: dict[str, _Flight] = {}
-        self._flight_of: dict[str, str] = {}  # call id -> checkpoint id, for on_commit
+        # The calls of each checkpoint's current step not yet seen settled (see open_calls).
+        self._open = OpenCalls()
+        # Checkpoint id -> (its version, its members as of that version), as this controller's
+        # last write left them. Only this controller moves members, and always together with the
+        # checkpoint row, so the same version means the same members; any other write to the
+        # row (an operator's abort) changes its version, and a failed write drops the entry.
+        self._members_at: dict[str, tuple[int, list[Row]]] = {}
+
+    def waiting(self, checkpoint_id: str) -> bool:
+        """Whether a completed call of this checkpoint can be ignored: other calls of its step are
+        still open (as far as this process's commits tell) and its deadline has not passed. The
+        reconciler then skips the wake-up; the last call to settle wakes it."""
+        return self._open.waiting_until(checkpoint_id, None, time.time(), CALL_MARGIN_S) is not None
 
     def on_commit(self, committed: Sequence[Committed]) -> None:
-        """Journal commit listener: strike settled calls off their checkpoint's open set."""
-        for c in committed:
-            if c.kind == outbox.KIND and c.to_state in SETTLED:
-                owner = self._flight_of.pop(c.entity_id, None)
-                flight = None if owner is None else self._in_flight.get(owner)
-                if flight is not None:
-                    flight.open.discard(c.entity_id)
-
-    def _track(self, checkpoint_id: str, version: int | None = None, deadline: float = 0.0,
-               calls: Collection[str] = (), settled: Collection[str] = ()) -> None:
-        """Note the step in flight at ``version`` (``None``: none): its ``calls``, less ``settled``.
-
-        An entry for the same version is kept and only narrowed: its step has the same calls, and
-        on_commit has kept it current, while ``settled`` may be a read older than its last update.
-        """
-        old = self._in_flight.get(checkpoint_id)
-        if old is not None and version is not None and old.version == version:
-            self._settle(old, settled)
-            return
-        if old is not None:
-            del self._in_flight[checkpoint_id]
-            self._settle(old, old.open)
-        if version is not None:
-            flight = _Flight(version, deadline, set(calls))
-            self._in_flight[checkpoint_id] = flight
-            self._flight_of.update(dict.fromkeys(flight.open, checkpoint_id))
-            self._settle(flight, settled)
-
-    def _settle(self, flight: _Flight, calls: Collection[str]) -> None:
-        for call_id in calls:
-            if call_id in flight.open:
-                flight.open.discard(call_id)
-                self._flight_of.pop(call_id, None)
+        """Journal commit listener (the orchestrator adds it): see :class:`OpenCalls`."""
+        self._open.on_commit(committed)
 
     # -- reads ----------------------------------------------------------------------------------
 
@@ -256,8 +222,8 @@ class CheckpointController:
             missing = [(intents[m.id], f"{step.op} {m['participant']} for {row.id}") for m in step.members
                        if intents[m.id].id not in known]
             # Before the commit, so that on_commit sees every one of these calls settle.
-            self._track(row.id, after.version, step.deadline, [i.id for i in intents.values()],
-                        [i for i, state in known.items() if state in SETTLED])
+            self._open.track(row.id, after.version, step.deadline, [i.id for i in intents.values()],
+                             [i for i, state in known.items() if state in SETTLED])
             moves = [m for m in step.members if m.state in step.moving_from]
 
         moving = [Transition(MEMBERS, m.id, m.state, m.version, step.moving_to, f"{step.op} sent")
@@ -268,11 +234,14 @@ class CheckpointController:
             claimed = await outbox.ensure_all(tx, missing, claim=ctx.claims)
             await tx.apply(moving)
             return claimed
+        self._members_at.pop(row.id, None)
         try:
             claimed = await ctx.write(write)
         except BaseException:
-            self._track(row.id)  # nothing written: the next reconcile reads where the calls stand
+            self._open.forget(row.id)  # nothing written: the next reconcile reads where the calls stand
             raise
+        if after.state not in ("done", "aborted", "failed"):
+            self._members_at[row.id] = (after.version, [_light(m) for m in _project(after, moved, moving)[1]])
         ctx.send(claimed)
 
     async def _settled(self, ctx: Context, row: Row, members: list[Row], step: _Step) -> dict[str, Row] | None:
@@ -281,11 +250,11 @@ class CheckpointController:
         intents = self._intents(row, step)
         ids = [i.id for i in intents.values()]
         # Tracked before the read: a call that settles during it is seen by on_commit.
-        self._track(row.id, row.version, step.deadline, ids)
+        self._open.track(row.id, row.version, step.deadline, ids)
         # One read: states and replies together (a reconcile gets here once the step looks settled).
         calls = await read_calls(ctx, ids)
         settled = {i: c.state for i, c in calls.items()}
-        self._track(row.id, row.version, step.deadline, ids, [i for i, st in settled.items() if st in SETTLED])
+        self._open.track(row.id, row.version, step.deadline, ids, [i for i, st in settled.items() if st in SETTLED])
         if len(calls) < len(intents):
             # Only after a crash between a decision and its calls' commit, or at the start.
             await self._write(ctx, row, members, [], settled)
@@ -307,16 +276,17 @@ class CheckpointController:
     async def reconcile(self, ctx: Context, entity_id: str) -> Result:
         row = await ctx.get(KIND, entity_id)
         if row is None or row.state in ("done", "aborted", "failed"):
-            self._track(entity_id)
+            self._open.forget(entity_id)
+            self._members_at.pop(entity_id, None)
             return Result()
-        flight = self._in_flight.get(entity_id)
-        if (flight is not None and flight.version == row.version and flight.open
-                and time.time() < flight.deadline + CALL_MARGIN_S):
-            return self._wait(flight.deadline)
+        deadline = self._open.waiting_until(entity_id, row.version, time.time(), CALL_MARGIN_S)
+        if deadline is not None:
+            return self._wait(deadline)
         if row.state == "committed":
             await self._publish(ctx, row)
             return Result()
-        members = await self._members(ctx, entity_id)
+        known = self._members_at.get(entity_id)
+        members = known[1] if known is not None and known[0] == row.version else await self._members(ctx, entity_id)
         if row.state == "prepared":  # only left here by an engine older than this one
             await self._write(ctx, row, members, [self._move(ctx, row, "committing", "prepared everywhere",
                                                              deadline=self.settings.commit_timeout_s)])

@@ -25,9 +25,8 @@ from journal.writes import Row, to_row
 from workers.protocol import CONTROL_PREFIX
 
 from ..reconciler import Context
+from .open_calls import SETTLED
 
-#: States of a settled call.
-SETTLED = ("succeeded", "failed", "ambiguous")
 
 
 @dataclass(frozen=True)
