@@ -62,6 +62,7 @@ def eligible(journal: Journal, groups: Sequence[Sequence[Any]]) -> tuple[str, tu
 
 
 @lru_cache(maxsize=128)
+@lru_cache(maxsize=128)
 def create_statement(table: sa.Table, rows: int) -> sa.TextClause:
     """``rows`` creates of ``table`` and their events: ``WITH v AS (VALUES …), r AS (INSERT … ON
     CONFLICT (id) DO NOTHING RETURNING id), ev AS (INSERT INTO events …) SELECT entity_id FROM ev``.
