@@ -38,6 +38,33 @@ if TYPE_CHECKING:
 
 #: Rows per statement: keeps the bind parameters well below PostgreSQL's 32767.
 MAX_ROWS = 1000
+#: The row counts statements are built for. A batch is padded up to the next one with rows of
+#: NULLs (a NULL id matches no row and inserts nothing, so they write nothing and get no event),
+#: so a handful of statements, each built and prepared once per connection, serve every size.
+SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, MAX_ROWS)
+
+
+def padded(rows: int) -> int:
+    """The statement size for ``rows`` rows (``rows`` itself above the largest size)."""
+    return next((size for size in SIZES if size >= rows), rows)
+
+
+def pad(params: dict[str, Any], names: Sequence[str], rows: int) -> int:
+    """Add NULL parameters for the padding rows after ``rows``; returns the padded size."""
+    size = padded(rows)
+    for i in range(rows, size):
+        params.update({f"{name}_{i}": None for name in names})
+    return size
+
+
+def transition_value_names(columns: Sequence[str]) -> list[str]:
+    """The per-row parameter names of a transition statement setting ``columns``."""
+    return ["w_id", "w_state", "w_version", "n_state", "e_reason", "e_payload", "ord", *[f"c_{n}" for n in columns]]
+
+
+def create_value_names(table: sa.Table) -> list[str]:
+    """The per-row parameter names of a create statement for ``table``."""
+    return [*table.c.keys(), "e_reason", "e_payload", "ord"]
 _EVENT_COLS = ("entity_kind", "entity_id", "from_state", "to_state", "version", "reason", "actor", "epoch",
                "payload", "ts")
 
@@ -74,13 +101,14 @@ def create_statement(table: sa.Table, rows: int) -> sa.TextClause:
     c = table.c
     ev = models.events.c
     names = list(c.keys())
-    value_cols = [*names, "e_reason", "e_payload", "ord"]
+    value_cols = create_value_names(table)
     types: dict[str, Any] = {**{n: c[n].type for n in names}, "e_reason": ev.reason.type,
                              "e_payload": ev.payload.type, "ord": sa.Integer()}
     tuples = ", ".join("(" + ", ".join(f":{name}_{i}" for name in value_cols) + ")" for i in range(rows))
     cols = ", ".join(names)
     sql = (f"WITH v ({', '.join(value_cols)}) AS (VALUES {tuples}), "
-           f"r AS (INSERT INTO {table.name} ({cols}) SELECT {cols} FROM v ON CONFLICT (id) DO NOTHING "
+           f"r AS (INSERT INTO {table.name} ({cols}) SELECT {cols} FROM v WHERE v.id IS NOT NULL "
+           f"ON CONFLICT (id) DO NOTHING "
            f"RETURNING id), "
            f"ev AS (INSERT INTO events ({', '.join(_EVENT_COLS)}) "
            f"SELECT :kind, v.id, NULL, v.state, 1, v.e_reason, :actor, :epoch, v.e_payload, :now "
@@ -102,8 +130,7 @@ def _statement(table: sa.Table, columns: tuple[str, ...], rows: int, fenced: boo
     c = table.c
     ev = models.events.c
     lease = models.leases.c
-    value_cols = ["w_id", "w_state", "w_version", "n_state", "e_reason", "e_payload", "ord",
-                  *[f"c_{n}" for n in columns]]
+    value_cols = transition_value_names(columns)
     types: dict[str, Any] = {"w_id": c.id.type, "w_state": c.state.type, "w_version": c.version.type,
                              "n_state": c.state.type, "e_reason": ev.reason.type, "e_payload": ev.payload.type,
                              "ord": sa.Integer(), **{f"c_{n}": c[n].type for n in columns}}
@@ -156,7 +183,7 @@ async def apply_one_statement(journal: Journal, groups: Sequence[Sequence[Any]],
                        "actor": fence.holder if fence else journal.actor, "epoch": fence.epoch if fence else None})
         if fence is not None:
             params.update({"f_name": fence.lease, "f_holder": fence.holder, "f_epoch": fence.epoch})
-        stmt = _statement(table, columns, len(live), fence is not None)
+        stmt = _statement(table, columns, pad(params, transition_value_names(columns), len(live)), fence is not None)
         async with journal.engine.connect() as conn:
             conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
             written = set((await conn.execute(stmt, params)).scalars())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from .errors import IllegalTransition, UnknownState
 
@@ -46,14 +47,14 @@ class StateMachine:
         if not self.initial:
             raise ValueError(f"{self.kind}: a machine needs at least one initial state")
 
-    @property
+    @cached_property  # checked on every write; a machine never changes
     def states(self) -> frozenset[str]:
         out = set(self.initial) | set(self.terminal) | set(self.edges)
         for dsts in self.edges.values():
             out |= dsts
         return frozenset(out)
 
-    @property
+    @cached_property
     def active(self) -> frozenset[str]:
         """States the reconciler still has to look at."""
         return self.states - self.terminal

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cached_property
 
 import sqlalchemy as sa
 
@@ -30,7 +31,7 @@ class EntityKind:
         if self.machine.kind != self.name:
             raise ValueError(f"{self.name}: machine is for {self.machine.kind!r}")
 
-    @property
+    @cached_property  # read on every write; a kind's table never changes
     def data_columns(self) -> tuple[str, ...]:
         """Columns the events record and folding rebuilds (everything but the managed ones)."""
         return tuple(c for c in self.table.c.keys() if c not in MANAGED)
@@ -49,7 +50,11 @@ class EntityKind:
                 raise InvalidColumn(self.name, col, "may not be NULL (it is NOT NULL and has no default)")
 
     def defaults(self) -> dict[str, object]:
-        """The value each data column takes when a create does not name it."""
+        """The value each data column takes when a create does not name it (a new dict each call)."""
+        return dict(self._defaults)
+
+    @cached_property
+    def _defaults(self) -> dict[str, object]:
         out: dict[str, object] = {}
         for name in self.data_columns:
             default = self.table.c[name].default

@@ -229,26 +229,26 @@ class WriteTx:
     async def _postgresql_many(self, ops: Sequence[Op], preps: Sequence[dict[str, Any]], table: sa.Table) -> bool:
         """PostgreSQL: the run's rows and their events in one statement (``VALUES`` list, data-modifying
         CTEs); all written, or rolled back to a savepoint."""
-        from .batch_pg import create_statement, transition_statement
+        from .batch_pg import create_statement, create_value_names, pad, transition_statement, transition_value_names
 
         fence = self.fence
         common = {"now": self.now, "kind": ops[0].kind, "actor": fence.holder if fence else self.journal.actor,
                   "epoch": fence.epoch if fence else None}
         params: dict[str, Any] = dict(common)
         if isinstance(ops[0], Create):
-            stmt = create_statement(table, len(ops))
             for i, (op, prep) in enumerate(zip(ops, preps)):
                 params.update({f"{n}_{i}": v for n, v in prep["row"].items()})
                 params.update({f"e_reason_{i}": op.reason, f"e_payload_{i}": prep["payload"], f"ord_{i}": i})
+            stmt = create_statement(table, pad(params, create_value_names(table), len(ops)))
         else:
             columns = tuple(sorted(ops[0].changes))
-            stmt = transition_statement(table, columns, len(ops), False)
             for i, (op, prep) in enumerate(zip(ops, preps)):
                 assert isinstance(op, Transition)
                 params.update({f"w_id_{i}": op.entity_id, f"w_state_{i}": op.from_state, f"w_version_{i}": op.version,
                                f"n_state_{i}": op.to_state, f"e_reason_{i}": op.reason,
                                f"e_payload_{i}": prep["payload"], f"ord_{i}": i,
                                **{f"c_{n}_{i}": op.changes[n] for n in columns}})
+            stmt = transition_statement(table, columns, pad(params, transition_value_names(columns), len(ops)), False)
         sp = await self._w.savepoint()
         try:
             written = (await self._w.execute(stmt, params)).all()

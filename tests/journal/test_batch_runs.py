@@ -121,3 +121,20 @@ async def test_write_tx_apply_runs_transitions_then_creates_with_their_events(gj
         assert [e["to_state"] for e in await events(gj, G, f"t{i}")] == ["new", "on", "off"]
         assert [e["payload"]["set"]["label"] for e in await events(gj, G, f"c{i}")] == ["x"]
     assert await audit.verify(gj) == []
+
+
+@pytest.mark.parametrize("size", [5, 7, 13])
+async def test_a_batch_between_statement_sizes_writes_exactly_its_rows(gj: Journal, size: int) -> None:
+    # PostgreSQL pads a batch to the next statement size with rows of NULLs; they must write nothing.
+    ids = [f"p{i}" for i in range(size)]
+    async with gj.write() as tx:
+        out = await tx.apply([C(i, label=i) for i in ids])
+    assert out == [Committed(G, i, None, "new", 1) for i in ids]
+    assert await gj.apply([[T(i, "new", 1, "on", hits=n)] for n, i in enumerate(ids)]) == [
+        [Committed(G, i, "new", "on", 2)] for i in ids]
+    async with gj.read() as conn:
+        e = sa.table("events", sa.column("entity_id"), sa.column("entity_kind"))
+        counted = (await conn.execute(sa.select(sa.func.count()).select_from(e).where(e.c.entity_kind == G))).scalar()
+        rows = (await conn.execute(sa.text("SELECT count(*) FROM gauges"))).scalar()
+    assert (counted, rows) == (2 * size, size)
+    assert await audit.verify(gj) == []
