@@ -1,0 +1,141 @@
+"""mp-only behaviour: spawn pickling, options, CUDA masks, escalation, launch deadline, parent death."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.workers.executor.sample_worker import ExpensiveArgument, SampleWorker
+from tests.workers.executor.support import REPO_ROOT, pid_alive, wait_until
+from workers.executor import (
+    Executor,
+    ExecutorConfig,
+    ExecutorConfigError,
+    MpExecutor,
+    RemoteWorkerError,
+    SpawnPickleError,
+    WorkerSpec,
+)
+
+SAFETY = 30.0
+
+
+def mp(*specs: WorkerSpec, **config: object) -> MpExecutor:
+    config.setdefault("kill_grace_s", 2.0)
+    executor = Executor.create(ExecutorConfig(backend="mp", workers=specs, **config))  # type: ignore[arg-type]
+    assert isinstance(executor, MpExecutor)
+    return executor
+
+
+def test_specs_that_cannot_cross_spawn_are_named_before_any_process_starts() -> None:
+    class LocalWorker:  # a local class cannot be imported by a spawned child
+        pass
+
+    cases = [
+        WorkerSpec(LocalWorker),
+        WorkerSpec(SampleWorker, args=(lambda: 0,)),
+        WorkerSpec(SampleWorker, args=(0,), kwargs={"marker_dir": ExpensiveArgument()}),
+    ]
+    for spec in cases:
+        with pytest.raises(SpawnPickleError, match=r"workers\[1\].*must be spawn-pickleable") as caught:
+            mp(WorkerSpec(SampleWorker, args=(0,)), spec)
+        assert isinstance(caught.value, TypeError)
+        assert caught.value.field == "ExecutorConfig.workers[1]"
+        assert spec.name in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("config", "field"),
+    [
+        ({"options": {"num_cpus": 1}}, "ExecutorConfig.options"),
+        ({"node_id": "abc"}, "ExecutorConfig.node_id"),
+        ({"workers": (WorkerSpec(SampleWorker, args=(0,), options={"num_cpus": 1}),)}, "ExecutorConfig.workers[0].options"),
+        ({"workers": (WorkerSpec(SampleWorker, args=(0,), options={"cuda_visible_devices": 3.5}),)},
+         "ExecutorConfig.workers[0].options.cuda_visible_devices"),
+    ],
+)
+def test_mp_refuses_options_it_cannot_honour(config: dict[str, object], field: str) -> None:
+    config.setdefault("workers", (WorkerSpec(SampleWorker, args=(0,)),))
+    with pytest.raises(ExecutorConfigError) as caught:
+        Executor.create(ExecutorConfig(backend="mp", **config))  # type: ignore[arg-type]
+    assert caught.value.field == field
+
+
+def test_cuda_mask_is_set_before_the_worker_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    executor = mp(
+        WorkerSpec(SampleWorker, args=(0,), options={"cuda_visible_devices": [2, 3]}),
+        WorkerSpec(SampleWorker, args=(1,)),
+    )
+    try:
+        assert executor.collective_rpc("cuda_mask", timeout=SAFETY) == ["2,3", None]
+    finally:
+        executor.shutdown()
+
+
+def test_unpicklable_reply_is_an_ordinary_error(tmp_path: Path) -> None:
+    executor = mp(WorkerSpec(SampleWorker, args=(0,)))
+    try:
+        with pytest.raises(RemoteWorkerError, match="could not be pickled"):
+            executor.rpc(0, "unpicklable", timeout=SAFETY)
+        assert executor.failure is None
+        assert executor.rpc(0, "whoami", timeout=SAFETY) == 0
+    finally:
+        executor.shutdown()
+
+
+def test_shutdown_sends_sigterm_after_the_grace_and_the_hook_still_runs(marker_dir: Path) -> None:
+    executor = mp(WorkerSpec(SampleWorker, args=(0,), kwargs={"marker_dir": str(marker_dir)}), shutdown_grace_s=0.2)
+    executor.rpc(0, "sleep_then", args=(120.0,), non_block=True)
+    time.sleep(0.3)  # let the call reach the child before stopping it
+    executor.shutdown()
+    # SIGTERM became SystemExit inside the 120 s sleep, so the finally block ran the hook.
+    assert (marker_dir / "shutdown-0").exists()
+    assert executor.exitcodes[0] == 128 + signal.SIGTERM
+
+
+def test_shutdown_escalates_to_sigkill(marker_dir: Path) -> None:
+    executor = mp(WorkerSpec(SampleWorker, args=(0,)), shutdown_grace_s=0.1, kill_grace_s=0.3)
+    executor.rpc(0, "ignore_sigterm_and_sleep", args=(120.0,), non_block=True)
+    time.sleep(0.3)  # let the child install SIG_IGN first
+    executor.shutdown()
+    assert executor.exitcodes[0] == -signal.SIGKILL
+
+
+def test_constructors_share_one_launch_deadline_and_slow_ones_are_stopped(marker_dir: Path) -> None:
+    specs = [
+        WorkerSpec(SampleWorker, args=(rank,), kwargs={"marker_dir": str(marker_dir), "construct_delay": 120.0})
+        for rank in range(2)
+    ]
+    with pytest.raises(TimeoutError, match="launch_timeout_s=1.0"):
+        mp(*specs, launch_timeout_s=1.0)
+    for pid_file in marker_dir.glob("pid-*"):
+        pid = int(pid_file.read_text())
+        wait_until(lambda: not pid_alive(pid), what=f"worker {pid} being stopped")
+
+
+def test_children_stop_when_the_parent_dies(tmp_path: Path) -> None:
+    pids_file = tmp_path / "pids"
+    script = f"""
+import os, signal
+from workers.executor import Executor, ExecutorConfig, WorkerSpec
+from tests.workers.executor.sample_worker import SampleWorker
+if __name__ == "__main__":
+    ex = Executor.create(ExecutorConfig(backend="mp", workers=tuple(WorkerSpec(SampleWorker, args=(r,)) for r in range(2))))
+    open({str(pids_file)!r}, "w").write(" ".join(str(p) for p in ex.collective_rpc("pid", timeout=60)))
+    os.kill(os.getpid(), signal.SIGKILL)  # no shutdown, no atexit: only the children's watchdog can react
+"""
+    env = {**os.environ, "PYTHONPATH": REPO_ROOT}
+    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, timeout=SAFETY, check=False)
+    assert done.returncode == -signal.SIGKILL
+    pids = [int(p) for p in pids_file.read_text().split()]
+    assert len(pids) == 2
+    for pid in pids:
+        wait_until(lambda: not pid_alive(pid), what=f"orphaned worker {pid} exiting")
+
