@@ -1,0 +1,92 @@
+"""Helpers of the inference-engine tests: the engine under test, its process, polling."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+@dataclass
+class Target:
+    url: str
+    kind: str  # "reference" or "sglang"
+    initial_dir: str
+    initial_version: str
+    other_dir: str | None
+    log: Path | None = None
+
+    def require_reference(self, why: str) -> None:
+        if self.kind != "reference":
+            pytest.skip(f"needs the reference engine: {why}")
+
+    def log_tail(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:] if self.log and self.log.exists() else ""
+
+
+class EngineProc:
+    """``python -m workers.inference.reference`` as a child process; SIGKILLed by :meth:`kill`."""
+
+    def __init__(self, args: list[str], log: Path) -> None:
+        self.args, self.log = args, log
+        self.proc: subprocess.Popen[str] | None = None
+        self.url = ""
+
+    def start(self, timeout: float = 60.0) -> EngineProc:
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "workers.inference.reference", *self.args],
+                                         cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True)
+        found = threading.Event()
+        proc = self.proc
+
+        def drain() -> None:  # read the port, then keep the pipe drained until the process exits
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                if not found.is_set() and line.startswith("listening on "):
+                    self.url = line.split()[-1].rstrip("/")
+                    found.set()
+        threading.Thread(target=drain, name="drain-reference-engine", daemon=True).start()
+        end = time.monotonic() + timeout
+        while not found.wait(0.05):
+            if proc.poll() is not None or time.monotonic() > end:
+                self.kill()
+                raise RuntimeError(f"reference engine did not start (exit {proc.returncode}):\n"
+                                   f"{self.log.read_text(errors='replace')[-3000:]}")
+        return self
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+
+@dataclass
+class Recorded:
+    """HTTP requests an adapter sent, as ``(method, path)``."""
+
+    calls: list[tuple[str, str]] = field(default_factory=list)
+
+    def paths(self) -> list[str]:
+        return [path for _, path in self.calls]
+
+
+async def until(check: Any, timeout: float = 30.0, what: str = "condition") -> Any:
+    """Poll ``await check()`` until it is truthy; fail after ``timeout`` seconds (a safety net)."""
+    end = time.monotonic() + timeout
+    while True:
+        value = await check()
+        if value:
+            return value
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)

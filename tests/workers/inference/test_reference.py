@@ -1,0 +1,240 @@
+"""The reference engine's own behaviour, and failures only it can be made to produce.
+
+Fault injection: a real engine cannot be made to fail a release on demand on a CPU, so these
+tests arm the reference engine's test-only ``POST /_test/fail_next`` route (the process runs
+with ``--enable-test-faults``); the failure then comes over real HTTP from the real process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from workers.inference import (EngineCallError, EngineTimeoutError, EngineUncertainError, SGLangConfig,
+                               SGLangEngine)
+from workers.inference.reference import load_state
+from workers.policy import Policy, decode, encode, save_weights
+
+from .engines import Recorded, Target, until
+
+
+@pytest.fixture(autouse=True)
+def _reference_only(target: Target) -> None:
+    target.require_reference("test-only routes and internal states")
+
+
+async def post(http: aiohttp.ClientSession, target: Target, path: str,
+               body: Any = None) -> tuple[int, Any]:
+    async with http.post(target.url + path, json=body) as resp:
+        text = await resp.text()
+        return resp.status, (await resp.json() if resp.content_type == "application/json" else text)
+
+
+async def stats(engine: SGLangEngine) -> dict[str, Any]:
+    states: dict[str, Any] = (await engine.server_info())["internal_states"][0]
+    return states
+
+
+async def arm(http: aiohttp.ClientSession, target: Target, path: str, mode: str,
+              seconds: float = 30.0) -> None:
+    status, _ = await post(http, target, "/_test/fail_next", {"path": path, "mode": mode, "seconds": seconds})
+    assert status == 200
+
+
+def greedy(prompt: str, n: int, seed: int = 0) -> list[int]:
+    return Policy(seed=seed).generate(encode(prompt), n)
+
+
+async def test_generate_answers_sglang_shape_with_the_policy_tokens(engine: SGLangEngine, target: Target,
+                                                                   http: aiohttp.ClientSession) -> None:
+    status, body = await post(http, target, "/generate",
+                              {"text": "abc", "sampling_params": {"max_new_tokens": 5, "temperature": 0}})
+    assert status == 200
+    assert set(body) == {"text", "output_ids", "meta_info"}
+    assert body["output_ids"] == greedy("abc", 5)
+    assert body["text"] == decode(body["output_ids"])
+    meta = body["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 5}
+    assert (meta["prompt_tokens"], meta["completion_tokens"]) == (3, 5)
+    assert meta["weight_version"] == "initial"
+
+
+async def test_flush_cache_empties_the_prefix_cache(engine: SGLangEngine) -> None:
+    await engine.generate("cache me", 3)
+    assert (await engine.generate("cache me", 3)).meta_info["cached_tokens"] == len("cache me")
+    await engine.flush_cache()
+    assert (await engine.generate("cache me", 3)).meta_info["cached_tokens"] == 0
+
+
+async def test_bodies_are_validated_with_sglang_error_shapes(target: Target, http: aiohttp.ClientSession,
+                                                             engine: SGLangEngine) -> None:
+    status, body = await post(http, target, "/pause_generation", {"mode": "sideways"})
+    assert status == 400 and body["object"] == "error" and "mode" in body["message"]
+    status, body = await post(http, target, "/release_memory_occupation", {"tags": ["activations"]})
+    assert status == 400 and "activations" in body["error"]["message"]
+    status, body = await post(http, target, "/update_weights_from_disk", {"model_path": "/x", "bogus": 1})
+    assert status == 400 and "bogus" in body["message"]
+    status, body = await post(http, target, "/generate", {"sampling_params": {"max_new_tokens": 1}})
+    assert status == 400 and "text" in body["error"]["message"]
+    assert (await stats(engine))["paused"] is False  # nothing above took effect
+
+
+async def test_a_truncated_weights_directory_is_refused_with_success_false(
+        target: Target, http: aiohttp.ClientSession, tmp_path: Path, engine: SGLangEngine) -> None:
+    save_weights(Policy(seed=3), tmp_path / "w", "v3")
+    data = (tmp_path / "w" / "model.pt").read_bytes()
+    (tmp_path / "w" / "model.pt").write_bytes(data[: len(data) // 2])
+    status, body = await post(http, target, "/update_weights_from_disk",
+                              {"model_path": str(tmp_path / "w"), "weight_version": "v3"})
+    assert status == 400
+    assert body["success"] is False and "sha256" in body["message"]
+    assert await engine.weight_version() == "initial"
+
+
+async def test_retract_moves_in_flight_requests_back_so_the_cache_can_flush(
+        engine: SGLangEngine, target: Target, http: aiohttp.ClientSession) -> None:
+    await post(http, target, "/slow_down", {"forward_sleep_time": 0.01})
+    task = asyncio.create_task(engine.generate("retracted", 400))
+    try:
+        await until(lambda: _running(engine, 1), what="the request to run")
+        await engine.pause_generation("retract")
+        await until(lambda: _waiting(engine, 1), what="the request to be retracted")
+        await engine.flush_cache()  # allowed: nothing is running
+        assert await engine.release_memory(["kv_cache"]) == ("kv_cache",)
+        assert await engine.resume_memory(["kv_cache"]) == ("kv_cache",)
+        await post(http, target, "/slow_down", {"forward_sleep_time": None})
+        await engine.continue_generation()
+        result = await asyncio.wait_for(task, 60)
+    finally:
+        task.cancel()
+    assert result.finish_reason["type"] == "length"
+    assert result.output_ids == greedy("retracted", 400)  # recomputed, not corrupted
+
+
+async def test_in_place_keeps_requests_running_and_the_cache_cannot_flush(
+        engine: SGLangEngine, target: Target, http: aiohttp.ClientSession) -> None:
+    await post(http, target, "/slow_down", {"forward_sleep_time": 0.01})
+    task = asyncio.create_task(engine.generate("in place", 400))
+    try:
+        await until(lambda: _running(engine, 1), what="the request to run")
+        await engine.pause_generation("in_place")
+        with pytest.raises(EngineCallError) as err:
+            await engine.flush_cache(attempts=2)
+        assert err.value.status == 400
+        assert (await stats(engine))["num_running_reqs"] == 1
+        await post(http, target, "/slow_down", {"forward_sleep_time": None})
+        await engine.continue_generation()
+        result = await asyncio.wait_for(task, 60)
+    finally:
+        task.cancel()
+    assert result.output_ids == greedy("in place", 400)
+
+
+async def test_abort_finishes_in_flight_requests_as_aborted(
+        engine: SGLangEngine, target: Target, http: aiohttp.ClientSession) -> None:
+    await post(http, target, "/slow_down", {"forward_sleep_time": 0.01})
+    task = asyncio.create_task(engine.generate("abort me", 400))
+    try:
+        await until(lambda: _running(engine, 1), what="the request to run")
+        await engine.pause_generation("abort")
+        result = await asyncio.wait_for(task, 60)
+    finally:
+        task.cancel()
+    assert result.finish_reason["type"] == "abort"
+    assert len(result.output_ids) < 400
+
+
+async def test_an_update_while_paused_reports_the_requests_it_held(
+        engine: SGLangEngine, target: Target) -> None:
+    await engine.pause_generation("retract")
+    task = asyncio.create_task(engine.generate("held", 6))
+    try:
+        await until(lambda: _waiting(engine, 1), what="the request to wait")
+        update = await engine.update_weights_from_disk(str(target.other_dir), "other")
+        assert update.num_paused_requests == 1
+        await engine.continue_generation()
+        result = await asyncio.wait_for(task, 60)
+    finally:
+        task.cancel()
+    assert result.weight_version == "other"
+    assert result.output_ids == greedy("held", 6, seed=1)  # it ran on the new weights only
+
+
+@pytest.mark.parametrize("mode", ["error", "refuse", "hang"])
+async def test_a_failed_region_call_leaves_the_engine_uncertain_until_replaced(
+        target: Target, http: aiohttp.ClientSession, recorded: Recorded, engine: SGLangEngine,
+        mode: str) -> None:
+    adapter = SGLangEngine(SGLangConfig(target.url, timeout=0.5, flush_interval=0.01), session=http)
+    await arm(http, target, "/release_memory_occupation", mode, seconds=3.0)
+    expected = EngineTimeoutError if mode == "hang" else EngineCallError
+    with pytest.raises(expected):
+        await adapter.release_memory(["weights"])
+    assert adapter.uncertain is not None and "release ['weights']" in adapter.uncertain
+    recorded.calls.clear()
+    calls = [adapter.release_memory(["weights"]), adapter.resume_memory(["weights"]),
+             adapter.pause_generation(), adapter.continue_generation(), adapter.generate("x", 1),
+             adapter.weight_version(), adapter.health(), adapter.flush_cache(),
+             adapter.update_weights_from_disk(target.initial_dir, "again")]
+    for call in calls:
+        with pytest.raises(EngineUncertainError):
+            await call
+    assert recorded.calls == [], "an uncertain engine still sent requests"
+    await adapter.close()
+    # A replacement adapter (here: the operator trusts the same process again) is usable.
+    assert (await engine.generate("x", 1)).finish_reason["type"] == "length"
+
+
+async def test_a_failed_resume_is_uncertain_too(target: Target, http: aiohttp.ClientSession,
+                                                engine: SGLangEngine) -> None:
+    await engine.release_memory(["cuda_graph"])
+    await arm(http, target, "/resume_memory_occupation", "error")
+    with pytest.raises(EngineCallError) as err:
+        await engine.resume_memory(["cuda_graph"])
+    assert err.value.status == 500
+    with pytest.raises(EngineUncertainError):
+        await engine.resume_memory(["cuda_graph"])
+
+
+async def test_a_cancelled_region_call_is_uncertain(target: Target, http: aiohttp.ClientSession,
+                                                    engine: SGLangEngine) -> None:
+    await arm(http, target, "/release_memory_occupation", "hang", seconds=2.0)
+    call = asyncio.create_task(engine.release_memory(["kv_cache"]))
+    await until(_armed_consumed(http, target), what="the hanging request to arrive")
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert engine.uncertain is not None
+    with pytest.raises(EngineUncertainError):
+        await engine.weight_version()
+
+
+def test_load_state_serves_the_seed_policy_or_a_weights_directory(tmp_path: Path) -> None:
+    assert load_state(None, 0).weight_version == "initial"
+    save_weights(Policy(seed=5), tmp_path / "w", "v5")
+    state = load_state(tmp_path / "w", 0)
+    assert (state.weight_version, state.model_path) == ("v5", str(tmp_path / "w"))
+    (tmp_path / "w" / "model.pt").write_bytes(b"truncated")
+    with pytest.raises(SystemExit, match="sha256"):
+        load_state(tmp_path / "w", 0)
+
+
+async def _running(engine: SGLangEngine, n: int) -> bool:
+    return bool((await stats(engine))["num_running_reqs"] >= n)
+
+
+async def _waiting(engine: SGLangEngine, n: int) -> bool:
+    s = await stats(engine)
+    return bool(s["num_waiting_reqs"] >= n and s["num_running_reqs"] == 0)
+
+
+def _armed_consumed(http: aiohttp.ClientSession, target: Target) -> Any:
+    """A check that the armed fault was taken (the hanging request reached the engine)."""
+    async def check() -> bool:
+        # Arming the same path again answers which faults are pending; the route reports it.
+        async with http.get(target.url + "/get_server_info") as resp:
+            return "/release_memory_occupation" not in (await resp.json()).get("armed_faults", [])
+    return check
