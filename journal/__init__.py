@@ -9,6 +9,7 @@ audit with :mod:`journal.audit`. This package imports no HTTP, Ray or torch.
 from .batch import Create, Transition
 from .database import Committed, Fence, Journal, JournalURL, utcnow
 from .errors import (
+    ConstraintViolation,
     DuplicateEntity,
     EntityNotFound,
     IllegalTransition,
@@ -27,7 +28,7 @@ from .registry import EntityKind, KindRegistry, builtin_kinds
 from .writes import Row, WriteTx
 
 __all__ = [
-    "Committed", "Create", "DuplicateEntity", "EntityKind", "EntityNotFound", "Fence", "IllegalTransition",
+    "Committed", "ConstraintViolation", "Create", "DuplicateEntity", "EntityKind", "EntityNotFound", "Fence", "IllegalTransition",
     "InvalidColumn", "InvalidPayload", "Journal", "JournalError", "JournalURL", "KindRegistry",
     "LeaseLost", "Row", "SchemaMismatch", "StaleRow", "StateMachine", "Transition", "UnknownEntityKind",
     "UnknownState", "UnsupportedJournalURL", "WriteTx", "builtin_kinds", "utcnow",

@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .errors import DuplicateEntity, JournalError, StaleRow
+from .errors import ConstraintViolation, DuplicateEntity, JournalError, StaleRow
 
 if TYPE_CHECKING:
     from .database import Committed, Fence, Journal
@@ -122,7 +122,7 @@ async def _apply(tx: WriteTx, groups: Sequence[Sequence[Op]]) -> list[Outcome | 
                 continue
             try:
                 done[(g, k)] = await tx.execute_prepared(op, prep)
-            except (StaleRow, DuplicateEntity) as exc:
+            except (StaleRow, DuplicateEntity, ConstraintViolation) as exc:
                 errors[g] = exc
     for g, ops in enumerate(prepared):
         if ops is None:

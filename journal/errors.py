@@ -84,6 +84,19 @@ class DuplicateEntity(JournalError):
         super().__init__(f"{kind} {entity_id!r} already exists")
 
 
+class ConstraintViolation(JournalError):
+    """A create the database refused for a reason other than its id: a unique index over
+    other columns (``constraint``, where the database names it) already holds a row like it."""
+
+    def __init__(self, kind: str, entity_id: str, constraint: str | None, detail: str) -> None:
+        self.kind = kind
+        self.entity_id = entity_id
+        self.constraint = constraint
+        self.detail = detail
+        where = f" ({constraint})" if constraint else ""
+        super().__init__(f"{kind} {entity_id!r} refused by a unique index{where}: {detail}")
+
+
 class InvalidColumn(JournalError):
     """A write named a column the kind's table does not have, or one it may not set."""
 

@@ -196,3 +196,57 @@ RETIREMENTS = StateMachine.build(
     },
     terminal=["done", "failed"],
 )
+
+
+# -- training jobs and commit-gated publication (docs/training.md) ---------------------------------
+
+TRAINING_JOBS = StateMachine.build(
+    "training_jobs",
+    # RUNNING is recorded (committed) before the trainer is called.
+    initial=["RUNNING"],
+    edges={
+        # FAILED: the trainer refused the job before any step (the step record does not name it).
+        # AMBIGUOUS: found RUNNING after a crash, or train failed, without durable evidence either way.
+        "RUNNING": ["CHECKPOINT", "AMBIGUOUS", "FAILED"],
+        # Settled from evidence (a verified checkpoint carrying the job id: CHECKPOINT; the step
+        # record proving the step never ran: RUNNING again), or by an operator (also FAILED).
+        "AMBIGUOUS": ["CHECKPOINT", "RUNNING", "FAILED"],
+        "CHECKPOINT": ["UPDATING_WEIGHTS", "REJECTING"],
+        # Self-edge: a retry after a failed transfer (engines recovered, full transfer forced).
+        "UPDATING_WEIGHTS": ["UPDATING_WEIGHTS", "READY_TO_COMMIT", "REJECTING"],
+        # Engines stay paused here until the head commit; an operator may still reject.
+        "READY_TO_COMMIT": ["HEAD_COMMITTED", "REJECTING"],
+        "HEAD_COMMITTED": ["COMPLETE"],
+        # Rejection restores the incumbent weights on every engine, then resumes them.
+        "REJECTING": ["REJECTED"],
+    },
+    terminal=["COMPLETE", "REJECTED", "FAILED"],
+)
+
+ENGINES = StateMachine.build(
+    "engines",
+    # registered: configured, not yet probed.
+    initial=["registered"],
+    edges={
+        "registered": ["serving", "paused", "uncertain", "unreachable", "retired"],
+        # Self-edges record a new serving version, memory state or instance.
+        "serving": ["serving", "paused", "uncertain", "unreachable", "retired"],
+        "paused": ["paused", "serving", "uncertain", "unreachable", "retired"],
+        # Uncertain: a failed region or weight call; refused until the engine is replaced.
+        "uncertain": ["uncertain", "paused", "serving", "unreachable", "retired"],
+        "unreachable": ["unreachable", "paused", "serving", "uncertain", "retired"],
+        "retired": ["registered"],
+    },
+)
+
+WEIGHT_VERSIONS = StateMachine.build(
+    "weight_versions",
+    # target: allocated and persisted before any byte is sent; committed: a deployment's initial weights.
+    initial=["target", "committed"],
+    edges={
+        # Self-edge: another engine confirmed it.
+        "target": ["target", "loaded", "rejected"],
+        "loaded": ["committed", "rejected"],
+    },
+    terminal=["committed", "rejected"],
+)

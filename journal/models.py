@@ -205,3 +205,74 @@ retirements = sa.Table(
     sa.Column("stage", sa.Integer, nullable=False, default=0),
     sa.Column("detail", sa.Text, nullable=True),
 )
+
+# -- training jobs and commit-gated publication (docs/training.md) ------------------------------------
+
+#: Training-job states that count as in flight: at most one per deployment (``ux_training_jobs_in_flight``).
+TRAINING_IN_FLIGHT = ("RUNNING", "AMBIGUOUS", "CHECKPOINT", "UPDATING_WEIGHTS", "READY_TO_COMMIT",
+                      "HEAD_COMMITTED", "REJECTING")
+_IN_FLIGHT_SQL = "state IN (" + ", ".join(f"'{s}'" for s in TRAINING_IN_FLIGHT) + ")"
+
+training_jobs = sa.Table(
+    "training_jobs",
+    metadata,
+    # id: the job's identity, SHA-256 of its canonical payload without scenario step, batch
+    # number and base version (engine.training.identity.job_identity).
+    *entity_columns(),
+    sa.Column("deployment", sa.String(255), nullable=False),
+    sa.Column("payload", JSONValue(), nullable=False),
+    sa.Column("scenario_step", sa.Integer, nullable=False),
+    sa.Column("batch_number", sa.Integer, nullable=True),
+    # The runtime load id the job trains from (the committed head when it was submitted).
+    sa.Column("base_version", sa.String(255), nullable=True),
+    # The trainer's persisted step counter when the job was recorded RUNNING: evidence after a crash.
+    sa.Column("trainer_step", sa.Integer, nullable=True),
+    sa.Column("checkpoint_path", sa.Text, nullable=True),
+    sa.Column("metrics", JSONValue(), nullable=True),
+    # Persisted before any byte of the publication is sent; a retry reuses it.
+    sa.Column("target_load_id", sa.String(255), nullable=True),
+    # The version every engine was verified to serve (READY_TO_COMMIT and after).
+    sa.Column("runtime_load_id", sa.String(255), nullable=True),
+    sa.Column("commit_acknowledged", sa.Boolean, nullable=False, default=False),
+    sa.Column("publish_attempts", sa.Integer, nullable=False, default=0),
+    # Why the job is AMBIGUOUS and what would settle it.
+    sa.Column("ambiguity", sa.Text, nullable=True),
+    sa.Column("detail", sa.Text, nullable=True),
+    # The database refuses a second job in flight for a deployment, whoever writes it.
+    sa.Index("ux_training_jobs_in_flight", "deployment", unique=True,
+             sqlite_where=sa.text(_IN_FLIGHT_SQL), postgresql_where=sa.text(_IN_FLIGHT_SQL)),
+)
+
+engines = sa.Table(
+    "engines",
+    metadata,
+    *entity_columns(),
+    sa.Column("deployment", sa.String(255), nullable=False),
+    sa.Column("url", sa.Text, nullable=False),
+    # The engine process's identity as last observed; a different one is a replacement.
+    sa.Column("instance", sa.String(255), nullable=True),
+    sa.Column("health", sa.String(32), nullable=True),
+    sa.Column("paused", sa.Boolean, nullable=False, default=False),
+    sa.Column("serving_version", sa.String(255), nullable=True),
+    # Region -> "resident" | "released" (weights, kv_cache, cuda_graph).
+    sa.Column("memory", JSONValue(), nullable=True),
+    sa.Column("detail", sa.Text, nullable=True),
+    sa.Index("ix_engines_deployment", "deployment"),
+)
+
+weight_versions = sa.Table(
+    "weight_versions",
+    metadata,
+    # id: the runtime load id, "<incarnation>:<sequence>".
+    *entity_columns(),
+    sa.Column("deployment", sa.String(255), nullable=False),
+    sa.Column("incarnation", sa.String(64), nullable=False),
+    sa.Column("sequence", sa.Integer, nullable=False),
+    # The training job that produced it (null for a deployment's initial weights).
+    sa.Column("job_id", sa.String(255), nullable=True),
+    sa.Column("weights_path", sa.Text, nullable=True),
+    # Engine ids that reported serving this version.
+    sa.Column("confirmed_by", JSONValue(), nullable=True),
+    sa.Column("detail", sa.Text, nullable=True),
+    sa.Index("ix_weight_versions_deployment", "deployment", "sequence"),
+)

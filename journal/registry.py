@@ -98,6 +98,8 @@ def builtin_kinds() -> KindRegistry:
     for table, machine in ((models.checkpoints, machines.CHECKPOINTS),
                            (models.checkpoint_members, machines.CHECKPOINT_MEMBERS),
                            (models.rollouts, machines.ROLLOUTS), (models.restores, machines.RESTORES),
-                           (models.retirements, machines.RETIREMENTS)):
+                           (models.retirements, machines.RETIREMENTS),
+                           (models.training_jobs, machines.TRAINING_JOBS), (models.engines, machines.ENGINES),
+                           (models.weight_versions, machines.WEIGHT_VERSIONS)):
         reg.register(EntityKind(machine.kind, table, machine))
     return reg

@@ -32,7 +32,7 @@ from sqlalchemy.dialects.postgresql.base import PGDialect
 
 from . import models
 from .batch import Create, Op, Transition
-from .errors import DuplicateEntity, InvalidPayload, LeaseLost, StaleRow
+from .errors import ConstraintViolation, DuplicateEntity, InvalidPayload, LeaseLost, StaleRow
 from .types import Encoded, dumps
 from .writer import Buffered, Params, Writer
 
@@ -252,6 +252,10 @@ class WriteTx:
         sp = await self._w.savepoint()
         try:
             written = (await self._w.execute(stmt, params)).all()
+        except sa.exc.IntegrityError:
+            # A unique index other than the id's: one by one, the create it refuses says so.
+            await self._w.rollback_to(sp)
+            return False
         except BaseException:
             await self._w.rollback_to(sp)
             raise
@@ -303,13 +307,31 @@ class WriteTx:
                 # The row and its event in one statement, like transitions (see below).
                 event = self._event_row(op.kind, op.entity_id, None, prep["state"], 1, op.reason, prep["payload"])
                 params = {**prep["row"], **{f"e_{k}": v for k, v in event.items()}}
-                if (await self._w.execute(_create_with_event_stmt(table), params)).all():
+                if _has_unique_index(table):
+                    # ON CONFLICT covers the id only, so another unique index may refuse the row; a
+                    # savepoint keeps that refusal from aborting the rest of the transaction.
+                    sp = await self._w.savepoint()
+                    try:
+                        inserted = (await self._w.execute(_create_with_event_stmt(table), params)).all()
+                    except sa.exc.IntegrityError as exc:
+                        await self._w.rollback_to(sp)
+                        name = getattr(getattr(exc.orig, "__cause__", None), "constraint_name", None)
+                        raise ConstraintViolation(op.kind, op.entity_id, name, _first_line(exc.orig)) from None
+                    await self._w.release(sp)
+                else:
+                    inserted = (await self._w.execute(_create_with_event_stmt(table), params)).all()
+                if inserted:
                     prep["event_written"] = True
                     return True
             else:
                 result = await self._w.execute(_insert_stmt(table), prep["row"])
                 if result.rowcount == 1:
                     return True
+                # INSERT OR IGNORE also ignores a row another unique index refuses: tell them apart.
+                if not (await self._w.execute(_exists_stmt(table), {"id": op.entity_id})).all():
+                    unique = sorted(str(i.name) for i in table.indexes if i.unique)
+                    raise ConstraintViolation(op.kind, op.entity_id, ", ".join(unique) or None,
+                                              "another row already holds the values this one needs unique")
             if op.if_absent:
                 return False
             raise DuplicateEntity(op.kind, op.entity_id)
@@ -525,6 +547,20 @@ def _update_with_event_stmt(table: sa.Table, columns: tuple[str, ...], fenced: b
               .from_select(list(_EVENT_FIELDS), sa.select(*values).select_from(u))
               .returning(ev.seq))
     return insert.add_cte(u)
+
+
+@lru_cache(maxsize=64)
+def _has_unique_index(table: sa.Table) -> bool:
+    return any(index.unique for index in table.indexes)
+
+
+@lru_cache(maxsize=64)
+def _exists_stmt(table: sa.Table) -> sa.Select[Any]:
+    return sa.select(sa.literal(1)).select_from(table).where(table.c.id == sa.bindparam("id"))
+
+
+def _first_line(error: object) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
 @lru_cache(maxsize=64)
