@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .files import write_atomically
+
 #: Tokens of the reference task: the letters ``a``-``z`` and a space (id 26).
 VOCAB = 27
 DIM = 16
@@ -85,20 +87,6 @@ def decode(tokens: list[int]) -> str:
     return "".join(chr(97 + t) if 0 <= t < 26 else " " for t in tokens)
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as out:
-        out.write(data)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_weights(model: Policy, directory: str | os.PathLike[str], version: str) -> str:
     """Write ``model``'s weights as ``version`` into ``directory``; returns the SHA-256 of ``model.pt``."""
     if not version:
@@ -109,9 +97,9 @@ def save_weights(model: Policy, directory: str | os.PathLike[str], version: str)
     torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, buf)
     data = buf.getvalue()
     digest = hashlib.sha256(data).hexdigest()
-    _write_atomically(target / MODEL_FILE, data)
+    write_atomically(target / MODEL_FILE, data)
     meta = {"version": version, "sha256": digest, "vocab": model.vocab, "dim": model.dim}
-    _write_atomically(target / META_FILE, json.dumps(meta, sort_keys=True).encode())
+    write_atomically(target / META_FILE, json.dumps(meta, sort_keys=True).encode())
     return digest
 
 

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -48,6 +47,7 @@ import sqlalchemy as sa
 
 from journal import Committed, Transition, WriteTx, machines, models, outbox
 from journal.writes import Row
+from workers.files import write_atomically
 from workers.protocol import EpisodeId
 
 from ..reconciler import Context, Result
@@ -433,8 +433,8 @@ class CheckpointController:
                     "members": {m["participant"]: {"kind": m["kind"], "manifest": m["manifest"],
                                                    "episode_ids": m["episode_ids"]} for m in members}}
         path = root / row.id / "checkpoint.json"
-        await asyncio.to_thread(_write_atomically, path, json.dumps(manifest, indent=1, sort_keys=True).encode())
-        await asyncio.to_thread(_write_atomically, root / "LATEST", (row.id + "\n").encode())
+        await asyncio.to_thread(write_atomically, path, json.dumps(manifest, indent=1, sort_keys=True).encode())
+        await asyncio.to_thread(write_atomically, root / "LATEST", (row.id + "\n").encode())
         published = self._move(ctx, row, "published", "checkpoint manifest and LATEST written",
                                manifest_path=str(path))
         await self._write(ctx, row, [_light(m) for m in members], [
@@ -509,22 +509,6 @@ def retirement_id(checkpoint_id: str) -> str:
 def next_try_id(checkpoint_id: str, try_number: int) -> str:
     base = checkpoint_id.rsplit("-try", 1)[0] if "-try" in checkpoint_id else checkpoint_id
     return f"{base}-try{try_number}"
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    """Write ``path`` so it is either the old or the new content, durable when this returns."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as out:
-        out.write(data)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 __all__ = ["MEMBERS", "STAGES", "CheckpointController", "CheckpointSettings", "member_id", "next_try_id",
