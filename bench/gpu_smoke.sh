@@ -51,10 +51,11 @@ setsid "$PY" -m sglang.launch_server "${ARGS[@]}" >"$LOG" 2>&1 &
 SERVER=$!
 
 stop_server() {
-  # The server runs in its own session (setsid): stop the whole group (scheduler, detokenizer).
-  if kill -0 "$SERVER" 2>/dev/null; then
+  # The server runs in its own session (setsid), so its process group id is $SERVER: stop the
+  # whole group (scheduler, detokenizer), also when the leader itself has already exited.
+  if kill -0 -- "-$SERVER" 2>/dev/null; then
     kill -TERM -- "-$SERVER" 2>/dev/null || true
-    for _ in $(seq 1 30); do kill -0 "$SERVER" 2>/dev/null || break; sleep 1; done
+    for _ in $(seq 1 30); do kill -0 -- "-$SERVER" 2>/dev/null || break; sleep 1; done
     kill -KILL -- "-$SERVER" 2>/dev/null || true
   fi
 }

@@ -25,7 +25,8 @@ that epoch is still current; a result from an older epoch (a pause or resume hap
 probe ran) is discarded. Retirement acts on the target captured at the start of the round, and
 :class:`EngineSlots` clears a slot only if it still holds that engine, so even a probe that
 outlives a pause can never retire a replacement. A retirement that fails is logged and
-counted; it does not stop the monitor.
+counted; it does not stop the monitor. A check or retirement that raises ``CancelledError``
+while the monitor itself is not being cancelled counts as failed too.
 
 Internal failure. An error in the monitor itself (``targets()`` raising, a bug) is recorded:
 the task ends, :meth:`~EngineHealthMonitor.check_health` raises :class:`HealthMonitorFailed`
@@ -183,6 +184,12 @@ class EngineSlots(Generic[E]):
         return [SlotTarget(self, i, engine) for i, engine in enumerate(self._slots) if engine is not None]
 
 
+def _cancelling() -> bool:
+    """Whether the running task has been asked to cancel (not merely seen a CancelledError)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 class EngineHealthMonitor:
     """Probes ``source``'s targets on ``config``'s schedule (see the module docs)."""
 
@@ -335,8 +342,12 @@ class EngineHealthMonitor:
         try:
             healthy = await asyncio.wait_for(target.check(timeout), timeout) is not False
             reason = "check returned False"
-        except asyncio.CancelledError:
-            raise
+        except asyncio.CancelledError as exc:
+            if _cancelling():
+                raise  # the monitor itself is being cancelled
+            # A check whose own work was cancelled (not this task) failed like any other;
+            # letting it through would end the monitor silently, with no failure recorded.
+            healthy, reason = False, f"check was cancelled ({exc!r})"
         except Exception as exc:  # a failed check of any kind, a timeout included
             healthy, reason = False, repr(exc)
         self._counts["probes"] += 1
@@ -354,7 +365,11 @@ class EngineHealthMonitor:
         try:
             await asyncio.wait_for(target.retire(timeout), timeout)
         except asyncio.CancelledError:
-            raise
+            if _cancelling():
+                raise
+            self._counts["retire_errors"] += 1
+            logger.exception("retiring %s was cancelled", target.name)
+            return
         except Exception:
             self._counts["retire_errors"] += 1
             logger.exception("retiring %s failed", target.name)

@@ -297,3 +297,47 @@ async def test_stop_after_a_drain_timeout_can_be_retried() -> None:
     engine.check_gate.set()
     await monitor.stop(timeout=SAFETY)
     assert not monitor.active and monitor.status()["stopped"]
+
+
+async def test_a_check_that_raises_cancelled_error_is_a_failed_check_not_the_monitors_end() -> None:
+    # Fault injection: a check whose own request was cancelled by something else (a closed
+    # session, a cancelled shared future) surfaces CancelledError; stand-in engines raise it here.
+    bad, good = ProbeEngine("bad"), ProbeEngine("good")
+
+    async def check(engine: ProbeEngine, timeout: float) -> object:
+        if engine is bad:
+            raise asyncio.CancelledError("the engine's request was cancelled")
+        return await engine.check(timeout)
+
+    async def retire(engine: ProbeEngine, timeout: float) -> object:
+        await engine.retire(timeout)
+        return None
+
+    source = EngineSlots(check, retire, [bad, good])
+    monitor = EngineHealthMonitor(source, HealthMonitorConfig(interval=0.01, timeout=1.0))
+    monitor.start()
+    monitor.resume()
+    await until(lambda: monitor.status()["retired"] == 1)
+    assert bad.retired and not good.retired and source.get(0) is None
+    checks = good.checks_started
+    await until(lambda: good.checks_started > checks)  # still probing: the monitor did not end
+    monitor.check_health()
+    await monitor.stop()  # a live task, stopped normally (no CancelledError escapes)
+    assert monitor.status()["stopped"]
+
+
+async def test_cancelling_the_monitor_during_a_probe_still_cancels_it() -> None:
+    # The other side of the test above: a real cancellation of the monitor task is not
+    # mistaken for a failed check (nothing is retired) and still ends the task.
+    engine = ProbeEngine("a", healthy=False)
+    engine.check_gate = asyncio.Event()  # never set: the probe is in flight when cancelled
+    monitor = monitor_for(slots(engine))
+    monitor.resume()
+    await until(lambda: engine.checks_started == 1)
+    task = monitor._task
+    assert task is not None
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not engine.retire_started and monitor.status()["failed_checks"] == 0
+    assert not monitor.active

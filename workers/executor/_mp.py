@@ -13,6 +13,8 @@
   "worker exited unexpectedly" and the peers are stopped without grace.
 - Shutdown queues a stop request behind the calls already submitted, waits
   ``shutdown_grace_s``, sends SIGTERM, waits ``kill_grace_s``, then SIGKILLs.
+  A ``shutdown()`` that finds another one under way (the retirement after a
+  failure) returns only once that one has stopped every rank.
 """
 
 from __future__ import annotations
@@ -120,6 +122,7 @@ class MpExecutor(SubmittingExecutor):
         self._lock = threading.Lock()
         self._stopping = False
         self._shut = False
+        self._stopped = threading.Event()  # set once the shutdown that went first has finished
         self._monitor: threading.Thread | None = None
         context = multiprocessing.get_context("spawn")
         try:
@@ -258,20 +261,30 @@ class MpExecutor(SubmittingExecutor):
 
     def _shutdown(self, grace_s: float) -> None:
         with self._lock:
-            if self._shut:
-                return
+            first = not self._shut
             self._shut = True
             self._stopping = True
-        self._failure_state.close()
-        if self._monitor is not None and self._monitor is not threading.current_thread():
-            self._monitor.join(timeout=1.0)  # it wakes every 0.1 s and sees _stopping
-        if grace_s > 0:
-            for slot in self._ranks:
-                try:
-                    slot.pool.submit(self._send_stop, slot)  # behind every call already submitted
-                except RuntimeError:
-                    pass
-        self._stop_processes(grace_s)
+        if not first:
+            # Another shutdown is stopping the ranks (usually the retirement that follows a
+            # failure). The caller's shutdown() must not return while they still run, or the
+            # owner could reuse their devices or ports; that shutdown is bounded, so wait for it.
+            bound = self.config.shutdown_grace_s + 2 * self.config.kill_grace_s + 10.0
+            if not self._stopped.wait(bound):
+                logger.warning("mp shutdown: ranks still stopping after %ss", bound)
+            return
+        try:
+            self._failure_state.close()
+            if self._monitor is not None and self._monitor is not threading.current_thread():
+                self._monitor.join(timeout=1.0)  # it wakes every 0.1 s and sees _stopping
+            if grace_s > 0:
+                for slot in self._ranks:
+                    try:
+                        slot.pool.submit(self._send_stop, slot)  # behind every call already submitted
+                    except RuntimeError:
+                        pass
+            self._stop_processes(grace_s)
+        finally:
+            self._stopped.set()
 
     @staticmethod
     def _send_stop(slot: _Rank) -> None:

@@ -15,7 +15,9 @@ Ray is imported lazily, only when this backend is used.
   readiness probe outstanding per actor; only a probe that completes with an
   error counts, so a probe queued behind a busy actor is not a failure.
 - Waits wake every 0.1 s; a ``RayActorError`` fails the executor (and an owned
-  group's peers are killed). A worker's own exception is raised unwrapped.
+  group's peers are killed at once; the runtime lease is kept until the owner's
+  ``shutdown()``, which waits for that retirement). A worker's own exception is
+  raised unwrapped.
 - ``from_workers(handles, owned=False)`` borrows existing actors: shutdown then
   only closes the executor. Owned shutdown calls each actor's ``shutdown()``
   hook (queued behind submitted calls, bounded by ``shutdown_grace_s``), then
@@ -204,6 +206,7 @@ class RayExecutor(SubmittingExecutor):
         self._stop = threading.Event()
         self._monitor: threading.Thread | None = None
         self._shut = False
+        self._stopped = threading.Event()  # set once the shutdown that went first has finished
 
     def _await_ready(self) -> None:
         ray, errors = _ray(), _ray_exceptions()
@@ -247,8 +250,11 @@ class RayExecutor(SubmittingExecutor):
         if self._stop.is_set():
             return  # our own shutdown killed it
         if self._fail(f"actor died: {exc}", rank) and self._owned:
-            # Terminal: the owned peers are retired at once.
-            threading.Thread(target=self._shutdown, args=(0.0,), name="tidelog-ray-retire", daemon=True).start()
+            # Terminal: the owned peers are retired at once. The runtime lease stays with the
+            # owner's shutdown(): releasing it here could shut Ray down under the owner's threads.
+            threading.Thread(
+                target=self._shutdown, args=(0.0,), kwargs={"release_lease": False}, name="tidelog-ray-retire", daemon=True
+            ).start()
 
     def register_failure_listener(self, listener: FailureListener) -> None:
         """As for every executor; on a borrowed group this also starts process-local monitoring."""
@@ -301,22 +307,32 @@ class RayExecutor(SubmittingExecutor):
         """Owned: run ``shutdown()`` hooks (bounded), then kill the actors. Borrowed: only close."""
         self._shutdown(self.config.shutdown_grace_s)
 
-    def _shutdown(self, grace_s: float) -> None:
+    def _shutdown(self, grace_s: float, *, release_lease: bool = True) -> None:
         with self._lock:
-            if self._shut:
-                return
+            first = not self._shut
             self._shut = True
-        self._stop.set()
-        self._failure_state.close()
-        if self._monitor is not None and self._monitor is not threading.current_thread():
-            self._monitor.join(timeout=2.0)
-        if self._owned:
-            if grace_s > 0:
-                self._run_hooks(grace_s)
-            self._kill_actors()
-        if self._lease is not None:
-            self._lease.release()
-            self._lease = None
+        if first:
+            try:
+                self._stop.set()
+                self._failure_state.close()
+                if self._monitor is not None and self._monitor is not threading.current_thread():
+                    self._monitor.join(timeout=2.0)
+                if self._owned:
+                    if grace_s > 0:
+                        self._run_hooks(grace_s)
+                    self._kill_actors()
+            finally:
+                self._stopped.set()
+        else:
+            # Another shutdown (the retirement after a failure) is under way: return once it is done.
+            bound = self.config.shutdown_grace_s + 10.0
+            if not self._stopped.wait(bound):
+                logger.warning("ray shutdown: actors still being retired after %ss", bound)
+        if release_lease:
+            with self._lock:
+                lease, self._lease = self._lease, None
+            if lease is not None:
+                lease.release()
 
     def _run_hooks(self, grace_s: float) -> None:
         ray = _ray()

@@ -96,7 +96,8 @@ class SGLangEngine(InferenceEngine):
     """One SGLang server (or anything speaking the same subset, e.g. the reference engine).
 
     ``session``: an aiohttp session to borrow (closed by its owner); without one the adapter
-    opens its own and closes it in :meth:`close`.
+    opens its own and closes it in :meth:`close`. Either way each request carries the
+    adapter's own bound and ``api_key``, whatever the session's defaults are.
     """
 
     def __init__(self, config: SGLangConfig, *, session: aiohttp.ClientSession | None = None,
@@ -111,8 +112,7 @@ class SGLangEngine(InferenceEngine):
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None:
-            headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else None
-            self._session = aiohttp.ClientSession(headers=headers)
+            self._session = aiohttp.ClientSession()
         return self._session
 
     async def _call(self, method: str, path: str, body: Mapping[str, Any] | None = None, *,
@@ -126,10 +126,16 @@ class SGLangEngine(InferenceEngine):
         self._check_usable()
         bound = self.config.timeout if timeout is None else timeout
         endpoint = f"{method} {path}"
+        # Per request, not per session: a borrowed session has none of the adapter's settings.
+        headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else None
         try:
             async with asyncio.timeout(bound):  # covers connect, send, and reading the body
+                # The request's own timeout replaces the session's default (aiohttp: 300 s in
+                # total), which would otherwise cut a longer bound short, e.g. a weight update.
                 async with self._client().request(method, self.config.base + path,
-                                                  json=None if body is None else dict(body)) as resp:
+                                                  json=None if body is None else dict(body),
+                                                  headers=headers,
+                                                  timeout=aiohttp.ClientTimeout(total=bound)) as resp:
                     text = await resp.text()
                     status = resp.status
                     is_json = resp.content_type == "application/json"

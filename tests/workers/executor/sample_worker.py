@@ -88,6 +88,9 @@ class SampleWorker:
 
     def ignore_sigterm_and_sleep(self, seconds: float) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if self.marker_dir is not None:
+            # Tells the test SIGTERM is ignored from now on, so it need not guess with a sleep.
+            Path(self.marker_dir, f"sigterm-ignored-{self.rank}").touch()
         time.sleep(seconds)
 
     def ray_node_id(self) -> str:

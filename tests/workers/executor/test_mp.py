@@ -101,11 +101,35 @@ def test_shutdown_sends_sigterm_after_the_grace_and_the_hook_still_runs(marker_d
 
 
 def test_shutdown_escalates_to_sigkill(marker_dir: Path) -> None:
-    executor = mp(WorkerSpec(SampleWorker, args=(0,)), shutdown_grace_s=0.1, kill_grace_s=0.3)
+    executor = mp(
+        WorkerSpec(SampleWorker, args=(0,), kwargs={"marker_dir": str(marker_dir)}),
+        shutdown_grace_s=0.1,
+        kill_grace_s=0.3,
+    )
     executor.rpc(0, "ignore_sigterm_and_sleep", args=(120.0,), non_block=True)
-    time.sleep(0.3)  # let the child install SIG_IGN first
+    # The child reports SIG_IGN installed (a fixed sleep would race a loaded machine).
+    wait_until((marker_dir / "sigterm-ignored-0").exists, what="the child ignoring SIGTERM")
     executor.shutdown()
     assert executor.exitcodes[0] == -signal.SIGKILL
+
+
+def test_shutdown_after_a_failure_returns_only_once_the_peers_are_stopped(marker_dir: Path) -> None:
+    # The failure's retirement SIGTERMs the peer, which ignores it, so it runs on for
+    # kill_grace_s until SIGKILL; the owner's shutdown() must not return before that.
+    executor = mp(
+        *(WorkerSpec(SampleWorker, args=(rank,), kwargs={"marker_dir": str(marker_dir)}) for rank in range(2)),
+        kill_grace_s=2.5,
+    )
+    executor.rpc(1, "ignore_sigterm_and_sleep", args=(120.0,), non_block=True)
+    wait_until((marker_dir / "sigterm-ignored-1").exists, what="rank 1 ignoring SIGTERM")
+    pid0, pid1 = executor.pids
+    assert pid0 is not None and pid1 is not None
+    os.kill(pid0, signal.SIGKILL)
+    wait_until(lambda: executor.failure is not None, what="the failure being detected")
+    executor.shutdown()
+    # No polling here: when shutdown() returns, the retired peer is already gone.
+    assert executor.exitcodes == (-signal.SIGKILL, -signal.SIGKILL)
+    assert not pid_alive(pid1)
 
 
 def test_constructors_share_one_launch_deadline_and_slow_ones_are_stopped(marker_dir: Path) -> None:

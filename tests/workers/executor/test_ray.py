@@ -9,13 +9,14 @@ from typing import Any
 import pytest
 
 from tests.workers.executor.sample_worker import SampleWorker
-from tests.workers.executor.support import RecordingListener, wait_until
+from tests.workers.executor.support import RecordingListener, pid_alive, wait_until
 from workers.executor import (
     Executor,
     ExecutorConfig,
     ExecutorConfigError,
     ExecutorFailedError,
     RayExecutor,
+    RayRuntimeLease,
     WorkerSpec,
 )
 
@@ -86,3 +87,31 @@ def test_a_pickled_executor_borrows_the_same_actors(ray_cluster: Any) -> None:
         assert executor.rpc(0, "count", timeout=SAFETY) == 1
     finally:
         executor.shutdown()
+
+
+def test_a_failure_retires_owned_actors_but_the_lease_waits_for_the_owners_shutdown(ray_cluster: Any) -> None:
+    # The lease count is the only trace of who may shut Ray down; a retirement thread that
+    # released it would stop a runtime the lease started under the owner's other threads.
+    users = RayRuntimeLease._users
+    executor = Executor.create(
+        ExecutorConfig(
+            backend="ray",
+            workers=tuple(WorkerSpec(SampleWorker, args=(rank,)) for rank in range(2)),
+            launch_timeout_s=SAFETY,
+        )
+    )
+    try:
+        pids = executor.collective_rpc("pid", timeout=SAFETY)
+        assert RayRuntimeLease._users == users + 1
+        assert isinstance(executor, RayExecutor)
+        ray_cluster.kill(executor.actors[0])
+        wait_until(lambda: executor.failure is not None, what="the failure being detected")
+        wait_until(lambda: not pid_alive(pids[1]), what="the owned peer being retired")
+        assert RayRuntimeLease._users == users + 1  # retired, but the runtime is still held
+        with pytest.raises(ExecutorFailedError):
+            executor.rpc(1, "whoami")
+    finally:
+        executor.shutdown()
+    assert RayRuntimeLease._users == users
+    executor.shutdown()  # idempotent: the lease is released once
+    assert RayRuntimeLease._users == users

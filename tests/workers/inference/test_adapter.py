@@ -7,11 +7,13 @@ a real SGLang server (``TIDELOG_SGLANG_URL``).
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import aiohttp
 import pytest
 
-from workers.inference import REGIONS, EngineCallError, EngineConfigError, RegionState, SGLangEngine
+from workers.inference import (REGIONS, EngineCallError, EngineConfigError, RegionState, SGLangConfig,
+                               SGLangEngine)
 
 from .engines import Recorded, Target, until
 
@@ -155,3 +157,20 @@ async def test_health_reflects_whether_the_engine_can_generate(engine: SGLangEng
     assert await engine.health(timeout=30) is False  # the 1-token probe waits behind the pause
     await engine.continue_generation()
     assert await engine.health(timeout=30) is True
+
+
+async def test_the_api_key_goes_with_every_request_also_on_a_borrowed_session(
+        target: Target, engine: SGLangEngine) -> None:
+    # ``engine`` only puts the target back to its initial state (running, resident).
+    sent: list[str | None] = []
+    trace = aiohttp.TraceConfig()
+
+    async def on_start(session: aiohttp.ClientSession, ctx: SimpleNamespace,
+                       params: aiohttp.TraceRequestStartParams) -> None:
+        sent.append(params.headers.get("Authorization"))
+    trace.on_request_start.append(on_start)
+    async with aiohttp.ClientSession(trace_configs=[trace]) as session:
+        adapter = SGLangEngine(SGLangConfig(target.url, api_key="sk-tidelog"), session=session)
+        await adapter.weight_version()
+        assert await adapter.health(timeout=30) is True
+    assert sent == ["Bearer sk-tidelog", "Bearer sk-tidelog"]

@@ -212,6 +212,33 @@ async def test_a_cancelled_region_call_is_uncertain(target: Target, http: aiohtt
         await engine.weight_version()
 
 
+async def test_a_borrowed_sessions_short_default_timeout_does_not_replace_the_adapters_bound(
+        target: Target, http: aiohttp.ClientSession, engine: SGLangEngine) -> None:
+    # The engine answers (500) after 1.5 s: within the adapter's 30 s bound, though past the
+    # borrowed session's 0.2 s default, which must not apply to the adapter's requests.
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.2)) as short:
+        adapter = SGLangEngine(SGLangConfig(target.url, timeout=30.0), session=short)
+        await arm(http, target, "/model_info", "hang", seconds=1.5)
+        with pytest.raises(EngineCallError) as err:
+            await adapter.model_info()
+        assert not isinstance(err.value, EngineTimeoutError)
+        assert err.value.status == 500 and "injected fault (hang)" in err.value.detail
+        assert await adapter.weight_version() == "initial"
+
+
+async def test_a_hanging_flush_is_bounded_and_not_retried(
+        target: Target, http: aiohttp.ClientSession, recorded: Recorded, engine: SGLangEngine) -> None:
+    adapter = SGLangEngine(SGLangConfig(target.url, timeout=0.3, flush_attempts=5, flush_interval=0.01),
+                           session=http)
+    await arm(http, target, "/flush_cache", "hang", seconds=3.0)
+    recorded.calls.clear()
+    with pytest.raises(EngineTimeoutError) as err:
+        await adapter.flush_cache()
+    assert err.value.timeout == 0.3 and err.value.endpoint == "POST /flush_cache"
+    # Only a 400 (requests running) is retried; a call with no answer is not sent again.
+    assert recorded.paths() == ["/flush_cache"]
+
+
 def test_load_state_serves_the_seed_policy_or_a_weights_directory(tmp_path: Path) -> None:
     assert load_state(None, 0).weight_version == "initial"
     save_weights(Policy(seed=5), tmp_path / "w", "v5")
