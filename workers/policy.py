@@ -10,10 +10,12 @@ Weights on disk (a *weights directory*), written by :func:`save_weights`:
 - ``weights.json`` — ``{"version": <str>, "sha256": <hex digest of model.pt>, "vocab": <int>,
   "dim": <int>}``, written after ``model.pt``.
 
-Both files are written atomically (temporary file, fsync, rename, fsync of the directory), the
-digest last, so a reader that finds ``weights.json`` finds the ``model.pt`` it describes.
-:func:`load_weights` checks the digest and the shape and raises :class:`WeightsError` naming
-the file and the rule broken.
+Both files are written atomically (:func:`workers.files.write_atomically`), the digest last,
+so a fresh directory is readable once ``weights.json`` exists. A reader that races a
+rewrite of the same directory may see the new ``model.pt`` with the old digest: it gets
+:class:`WeightsError`, never weights that do not match their version. :func:`load_weights`
+checks the digest and the shape and raises :class:`WeightsError` naming the file and the
+rule broken.
 
 The model maps a token to a distribution over the next token (an embedding and a linear head
 over a small vocabulary). Generation is greedy, so the same weights and prompt always give
@@ -119,8 +121,12 @@ def load_weights(directory: str | os.PathLike[str]) -> tuple[dict[str, Any], dic
     if digest != meta.get("sha256"):
         raise WeightsError(f"{source / MODEL_FILE}: sha256 {digest[:12]}… does not match "
                            f"{str(meta.get('sha256'))[:12]}… in {META_FILE}")
+    vocab, dim = meta.get("vocab", VOCAB), meta.get("dim", DIM)
+    for name, value in (("vocab", vocab), ("dim", dim)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise WeightsError(f"{source / META_FILE}: {name!r} must be an integer >= 1, got {value!r}")
     state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    expected = Policy(int(meta.get("vocab", VOCAB)), int(meta.get("dim", DIM))).state_dict()
+    expected = Policy(vocab, dim).state_dict()
     if set(state) != set(expected) or any(state[k].shape != expected[k].shape for k in expected):
         raise WeightsError(f"{source / MODEL_FILE}: tensors do not match the reference policy "
                            f"(vocab {meta.get('vocab')}, dim {meta.get('dim')})")

@@ -9,7 +9,7 @@ File layout (format 1)::
 The header is one line of JSON, so the job id and step can be read without torch; the
 payload repeats both, and the digest covers the payload, so neither half can be altered
 without :func:`verify_checkpoint` noticing. A checkpoint is written with
-:func:`~workers.trainer._atomic.write_atomically` (temporary file, fsync, rename, fsync of
+:func:`~workers.files.write_atomically` (temporary file, fsync, rename, fsync of
 the directory): a reader sees the previous file or the whole new one.
 
 :func:`verify_checkpoint` refuses, with :class:`~workers.trainer.errors.CheckpointError`
@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from workers.trainer._atomic import write_atomically
+from workers.files import write_atomically
 from workers.trainer.errors import CheckpointError
 
 MAGIC = "tidelog-trainer-checkpoint"

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from workers.trainer._atomic import write_atomically
+from workers.files import write_atomically
 from workers.trainer.errors import StepRecordError
 
 STEP_FILE = "step.json"
