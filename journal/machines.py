@@ -210,7 +210,8 @@ TRAINING_JOBS = StateMachine.build(
         "RUNNING": ["CHECKPOINT", "AMBIGUOUS", "FAILED"],
         # Settled from evidence (a verified checkpoint carrying the job id: CHECKPOINT; the step
         # record proving the step never ran: RUNNING again), or by an operator (also FAILED).
-        "AMBIGUOUS": ["CHECKPOINT", "RUNNING", "FAILED"],
+        # Self-edge: what is known changed, still not enough to decide.
+        "AMBIGUOUS": ["AMBIGUOUS", "CHECKPOINT", "RUNNING", "FAILED"],
         "CHECKPOINT": ["UPDATING_WEIGHTS", "REJECTING"],
         # Self-edge: a retry after a failed transfer (engines recovered, full transfer forced).
         "UPDATING_WEIGHTS": ["UPDATING_WEIGHTS", "READY_TO_COMMIT", "REJECTING"],

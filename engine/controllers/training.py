@@ -1,0 +1,198 @@
+"""The training controller: one optimizer step per job, exactly once, with evidence for every doubt.
+
+A job is recorded ``RUNNING`` (``engine.training.submit_job``) before the trainer is called.
+This controller then, for a ``RUNNING`` job whose ``RUNNING`` commit it saw in this process:
+
+1. calls ``train`` on the trainer rank (through an executor: uni, mp or Ray);
+2. saves the checkpoint tagged with the job id (``<checkpoint_dir>/<job id>.ckpt``) and
+   verifies it;
+3. moves the job to ``CHECKPOINT`` with the checkpoint path and the metrics, in one transition.
+
+A failure of any of these leaves the job ``AMBIGUOUS`` (the step may or may not have run),
+except a refusal the trainer makes before any step (a malformed job): ``FAILED``.
+
+A ``RUNNING`` job this process did not record — found after a restart or a take-over — may
+have been trained by a process that died: it becomes ``AMBIGUOUS``, never trained on sight.
+An ``AMBIGUOUS`` job is settled only from durable evidence, in this order:
+
+- a checkpoint at its path that verifies and carries its job id: ``CHECKPOINT``;
+- the live trainer's latest step is this job (the orchestrator died between ``train`` and the
+  checkpoint): the checkpoint is saved and verified now, then ``CHECKPOINT``;
+- the trainer's persisted step record does not name the job, so its step never started on the
+  trainer that holds the weights: ``RUNNING`` again, and it is trained (once);
+- otherwise it stays ``AMBIGUOUS`` with what is known in ``ambiguity``, for an operator.
+
+The trainer being unreachable decides nothing: the job is looked at again later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from journal import Committed, Transition
+from journal.writes import Row
+
+from ..reconciler import Context, Result
+
+log = logging.getLogger("tidelog.training")
+
+KIND = "training_jobs"
+
+
+class TrainerRanks(Protocol):
+    """What the controller needs of an executor (``workers.executor.Executor``)."""
+
+    def rpc(self, rank: int, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
+            timeout: float | None = None) -> Any: ...
+
+
+@dataclass(frozen=True)
+class TrainingSettings:
+    checkpoint_dir: str
+    #: The trainer rank that takes the steps (the executor's others follow it, if any).
+    rank: int = 0
+    train_timeout_s: float = 3600.0
+    call_timeout_s: float = 120.0
+    #: How soon an unsettled AMBIGUOUS job (or an unreachable trainer) is looked at again.
+    retry_after_s: float = 5.0
+
+
+class TrainingController:
+    kind = KIND
+
+    def __init__(self, executor: TrainerRanks, settings: TrainingSettings) -> None:
+        self._executor = executor
+        self.settings = settings
+        # Job id -> the version of the RUNNING row this process committed: the only RUNNING
+        # records it may act on by calling train (once each).
+        self._recorded: dict[str, int] = {}
+        self._busy: set[str] = set()  # jobs whose trainer calls are running now
+
+    def on_commit(self, committed: Sequence[Committed]) -> None:
+        """Journal commit listener: note the RUNNING records this process made."""
+        for c in committed:
+            if c.kind == KIND and c.to_state == "RUNNING":
+                self._recorded[c.entity_id] = c.version
+
+    def checkpoint_path(self, job_id: str) -> str:
+        return str(Path(self.settings.checkpoint_dir) / f"{job_id}.ckpt")
+
+    async def _call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+        limit = timeout if timeout is not None else self.settings.call_timeout_s
+        return await asyncio.to_thread(self._executor.rpc, self.settings.rank, method, args, None, limit)
+
+    # -- the machine ----------------------------------------------------------------------
+
+    async def reconcile(self, ctx: Context, job_id: str) -> Result:
+        row = await ctx.get(KIND, job_id)
+        if row is None or row.state not in ("RUNNING", "AMBIGUOUS"):
+            self._recorded.pop(job_id, None)
+            return Result()
+        if job_id in self._busy:
+            return Result()  # the calls' end writes the outcome and wakes it
+        if row.state == "RUNNING":
+            if self._recorded.pop(job_id, None) != row.version:
+                await ctx.apply(self._ambiguous(row, "found RUNNING without having recorded it here (a restart or "
+                                                     "a take-over): its step may have run"))
+                return Result()
+            return await self._train(ctx, row)
+        return await self._settle(ctx, row)
+
+    def _ambiguous(self, row: Row, why: str) -> Transition:
+        return Transition(KIND, row.id, row.state, row.version, "AMBIGUOUS", why[:200], {"ambiguity": why})
+
+    async def _train(self, ctx: Context, row: Row) -> Result:
+        """Call train, save and verify the checkpoint, record CHECKPOINT (or what went wrong)."""
+        self._busy.add(row.id)
+        try:
+            try:
+                metrics = await self._call("train", {**row["payload"], "job_id": row.id},
+                                           timeout=self.settings.train_timeout_s)
+            except Exception as exc:  # noqa: BLE001 - the trainer's own exception, kept intact by the executor
+                if _refused_before_any_step(exc):
+                    await ctx.apply(Transition(KIND, row.id, "RUNNING", row.version, "FAILED",
+                                               f"the trainer refused the job: {exc}"[:200], {"detail": str(exc)}))
+                else:
+                    await ctx.apply(self._ambiguous(row, f"train failed ({type(exc).__name__}: {exc}); the step "
+                                                         f"may have run"))
+                return Result()
+            path = self.checkpoint_path(row.id)
+            try:
+                info = await self._save_and_verify(path, row.id)
+            except Exception as exc:  # noqa: BLE001 - the step ran, but no durable evidence of it yet
+                await ctx.apply(self._ambiguous(row, f"trained, but the checkpoint failed ({type(exc).__name__}: "
+                                                     f"{exc})"))
+                return Result()
+            await ctx.apply(Transition(KIND, row.id, "RUNNING", row.version, "CHECKPOINT",
+                                       f"step {info['step']} trained and its checkpoint verified",
+                                       {"checkpoint_path": path, "metrics": metrics}))
+        finally:
+            self._busy.discard(row.id)
+        return Result()
+
+    async def _save_and_verify(self, path: str, job_id: str) -> dict[str, Any]:
+        await self._call("save_checkpoint", path, job_id)
+        info: dict[str, Any] = await self._call("verify_checkpoint", path)
+        if info.get("job_id") != job_id:
+            raise ValueError(f"checkpoint {path} carries job {info.get('job_id')!r}, not {job_id!r}")
+        return info
+
+    async def _settle(self, ctx: Context, row: Row) -> Result:
+        """An AMBIGUOUS job: settle it from durable evidence, or say what is known."""
+        path = self.checkpoint_path(row.id)
+        self._busy.add(row.id)
+        try:
+            try:
+                info: dict[str, Any] | None = await self._call("verify_checkpoint", path)
+            except Exception:  # noqa: BLE001 - no checkpoint there (or a damaged one): not evidence
+                info = None
+            if info is not None and info.get("job_id") == row.id:
+                await ctx.apply(Transition(KIND, row.id, "AMBIGUOUS", row.version, "CHECKPOINT",
+                                           f"settled: checkpoint {path} verifies and carries the job",
+                                           {"checkpoint_path": path, "ambiguity": None,
+                                            "metrics": {"settled_from": "verified checkpoint", "step": info["step"]}}))
+                return Result()
+            try:
+                health: dict[str, Any] = await self._call("health")
+            except Exception as exc:  # noqa: BLE001 - an unreachable trainer proves nothing
+                log.warning("training job %s: the trainer did not answer (%s); looking again later", row.id, exc)
+                return Result(requeue_after=self.settings.retry_after_s)
+            if health.get("last_job_id") == row.id:
+                # The live trainer's latest step is this job: make the evidence durable now.
+                info = await self._save_and_verify(path, row.id)
+                await ctx.apply(Transition(KIND, row.id, "AMBIGUOUS", row.version, "CHECKPOINT",
+                                           f"settled: the trainer's latest step {info['step']} is this job; "
+                                           f"checkpoint saved and verified",
+                                           {"checkpoint_path": path, "ambiguity": None,
+                                            "metrics": {"settled_from": "live trainer", "step": info["step"]}}))
+                return Result()
+            record = health.get("step_record")
+            if record is None or record.get("job_id") != row.id:
+                seen = "no step record" if record is None else f"its step record names job {record.get('job_id')}"
+                await ctx.apply(Transition(KIND, row.id, "AMBIGUOUS", row.version, "RUNNING",
+                                           f"settled: the trainer ({seen}, step {health.get('step')}) never "
+                                           f"started this job's step; training it", {"ambiguity": None}))
+                return Result()
+            why = (f"the trainer's step record names this job ({record.get('phase')}, step {record.get('step')}) but "
+                   f"no checkpoint at {path} carries it and the live trainer's latest job is "
+                   f"{health.get('last_job_id')!r}: an operator must decide")
+            if row["ambiguity"] != why:
+                await ctx.apply(Transition(KIND, row.id, "AMBIGUOUS", row.version, "AMBIGUOUS",
+                                           "still ambiguous: waiting for an operator", {"ambiguity": why}))
+            return Result(requeue_after=self.settings.retry_after_s)
+        finally:
+            self._busy.discard(row.id)
+
+
+def _refused_before_any_step(exc: BaseException) -> bool:
+    """The trainer validated the job and refused it before any step (its ``JobError``)."""
+    # By name: importing workers.trainer would import torch into the orchestrator.
+    return type(exc).__name__ == "JobError" and type(exc).__module__.startswith("workers.trainer")
+
+
+__all__ = ["KIND", "TrainerRanks", "TrainingController", "TrainingSettings"]
