@@ -37,7 +37,10 @@ from typing import Any, Protocol
 from journal import Committed, Transition
 from journal.writes import Row
 
+from workers.inference.engine import InferenceEngine
+
 from ..reconciler import Context, Result
+from .publication import PublicationSettings, Publisher
 
 log = logging.getLogger("tidelog.training")
 
@@ -65,9 +68,12 @@ class TrainingSettings:
 class TrainingController:
     kind = KIND
 
-    def __init__(self, executor: TrainerRanks, settings: TrainingSettings) -> None:
+    def __init__(self, executor: TrainerRanks, settings: TrainingSettings,
+                 publication: tuple[Sequence[InferenceEngine], PublicationSettings] | None = None) -> None:
         self._executor = executor
         self.settings = settings
+        # From CHECKPOINT on, the job's weights are published (when engines are given).
+        self.publisher = None if publication is None else Publisher(self._call, *publication)
         # Job id -> the version of the RUNNING row this process committed: the only RUNNING
         # records it may act on by calling train (once each).
         self._recorded: dict[str, int] = {}
@@ -90,11 +96,19 @@ class TrainingController:
 
     async def reconcile(self, ctx: Context, job_id: str) -> Result:
         row = await ctx.get(KIND, job_id)
-        if row is None or row.state not in ("RUNNING", "AMBIGUOUS"):
+        if row is None or row.state not in ("RUNNING", "AMBIGUOUS", *Publisher.STATES):
             self._recorded.pop(job_id, None)
             return Result()
         if job_id in self._busy:
             return Result()  # the calls' end writes the outcome and wakes it
+        if row.state in Publisher.STATES:
+            if self.publisher is None:
+                return Result()  # no engines to publish to: the job waits in its state
+            self._busy.add(job_id)
+            try:
+                return await self.publisher.step(ctx, row)
+            finally:
+                self._busy.discard(job_id)
         if row.state == "RUNNING":
             if self._recorded.pop(job_id, None) != row.version:
                 await ctx.apply(self._ambiguous(row, "found RUNNING without having recorded it here (a restart or "
