@@ -217,9 +217,11 @@ TRAINING_JOBS = StateMachine.build(
         "UPDATING_WEIGHTS": ["UPDATING_WEIGHTS", "READY_TO_COMMIT", "REJECTING"],
         # Engines stay paused here until the head commit; an operator may still reject.
         "READY_TO_COMMIT": ["HEAD_COMMITTED", "REJECTING"],
-        "HEAD_COMMITTED": ["COMPLETE"],
+        # Self-edge: resuming the engines failed (recorded in detail); it is tried again.
+        "HEAD_COMMITTED": ["HEAD_COMMITTED", "COMPLETE"],
         # Rejection restores the incumbent weights on every engine, then resumes them.
-        "REJECTING": ["REJECTED"],
+        # Self-edge: restoring failed or needs an operator (recorded in detail).
+        "REJECTING": ["REJECTING", "REJECTED"],
     },
     terminal=["COMPLETE", "REJECTED", "FAILED"],
 )

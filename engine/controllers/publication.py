@@ -5,10 +5,13 @@ is a durable transition; every engine call is safe to repeat (pausing a paused e
 the same version again), so a step interrupted by a crash is simply done again.
 
 1. ``CHECKPOINT``: pause every engine; then, in one transaction, allocate the target runtime
-   load id (the committed head's next; a deployment's first publication registers the weights
-   the engines started with as ``<new incarnation>:0``, committed), create its
-   ``weight_versions`` row (``target``) and move the job to ``UPDATING_WEIGHTS`` with it. The
-   target is durable before any byte of weights is sent, so every retry uses the same id.
+   load id (the next sequence of the committed head's incarnation that no version of the
+   deployment has used yet, so a rejected candidate's id is never given to other weights; a
+   deployment's first publication registers the weights the engines started with as
+   ``<new incarnation>:0``, committed), create its ``weight_versions`` row (``target``) and move
+   the job to ``UPDATING_WEIGHTS`` with it. The target is durable before any byte of weights is
+   sent, so every retry uses the same id. A pause that fails is recorded the same way (with
+   ``detail``), and the retry of step 2 pauses every engine again.
 2. ``UPDATING_WEIGHTS``: have the trainer write the job's weights as the target version (it
    loads the job's checkpoint first if its latest step is not this job), load them on every
    engine from disk, and check that every engine reports the target. Then, in one
@@ -18,10 +21,16 @@ the same version again), so a step interrupted by a crash is simply done again.
    and loaded again).
 3. ``READY_TO_COMMIT``: the head commit — the version ``committed`` and the job
    ``HEAD_COMMITTED`` with ``commit_acknowledged`` — in one transaction.
-4. ``HEAD_COMMITTED``: continue generation on every engine; ``COMPLETE``.
+4. ``HEAD_COMMITTED``: every engine must report the committed version (one that does not, such
+   as an engine restarted meanwhile, is paused and loads it from disk again); only then does
+   generation continue on every engine; ``COMPLETE``.
 5. ``REJECTING`` (an operator's ``reject``): put the committed head back on every engine that
-   serves another version, continue generation, and ``REJECTED``, the target ``rejected``.
+   serves another version and check it, put the trainer back on the head's checkpoint if it
+   holds the rejected step, continue generation, and ``REJECTED``, the target ``rejected``.
    Engines never serve an uncommitted version with generation running.
+
+A step that fails in ``HEAD_COMMITTED`` or ``REJECTING`` is recorded in ``detail`` by a
+self-transition (only when the reason changed) and tried again after ``retry_after_s``.
 """
 
 from __future__ import annotations
@@ -85,13 +94,23 @@ class Publisher:
         if row.state == "READY_TO_COMMIT":
             return await self._commit(ctx, row)
         if row.state == "HEAD_COMMITTED":
-            await self._each(lambda e: e.continue_generation())
-            await ctx.apply(Transition(KIND, row.id, "HEAD_COMMITTED", row.version, "COMPLETE",
-                                       f"serving {row['runtime_load_id']}", {"commit_acknowledged": True}))
-            return Result()
+            return await self._retrying(ctx, row, self._resume(ctx, row))
         if row.state == "REJECTING":
-            return await self._reject(ctx, row)
+            return await self._retrying(ctx, row, self._reject(ctx, row))
         return Result()
+
+    async def _retrying(self, ctx: Context, row: Row, work: Awaitable[Result]) -> Result:
+        """Run a step whose engine or trainer calls may fail: a failure is recorded in ``detail``
+        (a self-transition, written only when the reason changed) and tried again later."""
+        try:
+            return await work
+        except Exception as exc:  # noqa: BLE001 - recorded in the journal, and tried again
+            why = f"{row.state} step failed ({type(exc).__name__}: {exc}); trying again"
+            log.warning("job %s: %s", row.id[:12], why)
+            if row["detail"] != why:
+                await ctx.apply(Transition(KIND, row.id, row.state, row.version, row.state, why[:200],
+                                           {"detail": why}))
+            return Result(requeue_after=self.settings.retry_after_s)
 
     async def _each(self, call: Callable[[InferenceEngine], Awaitable[Any]]) -> list[Any]:
         """``call`` on every engine, in order; the first failure is raised."""
@@ -99,42 +118,60 @@ class Publisher:
 
     async def head(self, ctx: Context) -> Row | None:
         """The deployment's committed version with the highest sequence."""
-        t = models.weight_versions
         async with ctx.journal.read() as conn:
-            found = (await conn.execute(sa.select(t).where(t.c.deployment == self.settings.deployment,
-                                                           t.c.state == "committed")
-                                        .order_by(t.c.sequence.desc()).limit(1))).first()
+            found = (await conn.execute(self._head_stmt())).first()
         return None if found is None else to_row(VERSIONS, found._mapping)
 
+    def _head_stmt(self) -> sa.Select[Any]:
+        t = models.weight_versions
+        return (sa.select(t).where(t.c.deployment == self.settings.deployment, t.c.state == "committed")
+                .order_by(t.c.sequence.desc()).limit(1))
+
     async def _start(self, ctx: Context, row: Row) -> Result:
-        await self._each(lambda e: e.pause_generation(self.settings.pause_mode))
-        head = await self.head(ctx)
-        initial = None
-        if head is None:
-            # The first publication: the weights the engines started with become the committed head.
-            initial = LoadId.first()
-            base = initial
-        else:
-            base = LoadId.parse(head.id)
-        target = str(base.next())
+        try:
+            await self._each(lambda e: e.pause_generation(self.settings.pause_mode))
+            failed = None
+        except Exception as exc:  # noqa: BLE001 - recorded with the target; the retry pauses every engine again
+            failed = f"pausing the engines failed ({type(exc).__name__}: {exc}); trying again in full"
+            log.warning("job %s: %s", row.id[:12], failed)
+        initial: LoadId | None = None
+        target = ""
 
         async def write(tx: WriteTx) -> None:
+            nonlocal initial, target
+            found = (await tx.execute(self._head_stmt())).first()
+            initial = None
+            if found is None:
+                # The first publication: the weights the engines started with become the committed head.
+                initial = LoadId.first()
+                base = initial
+            else:
+                base = LoadId.parse(found.id)
+            # The next sequence of the incarnation that no version used: a rejected candidate keeps its id.
+            t = models.weight_versions
+            top = (await tx.execute(sa.select(sa.func.max(t.c.sequence)).where(
+                t.c.deployment == self.settings.deployment, t.c.incarnation == base.incarnation))).scalar()
+            nxt = LoadId(base.incarnation, max(base.sequence, int(top) if top is not None else 0) + 1)
+            target = str(nxt)
             if initial is not None:
                 await tx.apply([Create(VERSIONS, str(initial), "the weights the engines started with", {
                     "deployment": self.settings.deployment, "incarnation": initial.incarnation,
                     "sequence": initial.sequence}, "committed")])
             await tx.apply([
                 Create(VERSIONS, target, f"target of job {row.id[:12]}", {
-                    "deployment": self.settings.deployment, "incarnation": base.incarnation,
-                    "sequence": base.sequence + 1, "job_id": row.id, "weights_path": self.weights_path(target)},
+                    "deployment": self.settings.deployment, "incarnation": nxt.incarnation,
+                    "sequence": nxt.sequence, "job_id": row.id, "weights_path": self.weights_path(target)},
                     "target"),
                 Transition(KIND, row.id, "CHECKPOINT", row.version, "UPDATING_WEIGHTS",
-                           f"engines paused; publishing as {target}", {"target_load_id": target,
-                                                                        "publish_attempts": 1})])
+                           (failed or f"engines paused; publishing as {target}")[:200],
+                           {"target_load_id": target, "publish_attempts": 1, "detail": failed})])
         await ctx.write(write)
+        if failed is not None:
+            return Result(requeue_after=self.settings.retry_after_s)
         if initial is not None:
             # Name what the engines serve by the id it was just registered under (only a label).
-            await self._each(lambda e: e.set_weight_version(str(initial)))
+            label = str(initial)
+            await self._each(lambda e: e.set_weight_version(label))
         after = await ctx.get(KIND, row.id)
         return await self._transfer(ctx, after, first=True) if after is not None else Result()
 
@@ -182,22 +219,54 @@ class Publisher:
         await ctx.apply(*ops)  # one transaction: the head commit is the job's
         return Result()
 
+    async def _serve(self, version: str, weights_path: str | None) -> None:
+        """Make every engine report ``version``: one that does not is paused and loads it from disk.
+
+        Raises when an engine cannot be brought to it; generation is not continued here.
+        """
+        served = await self._each(lambda e: e.weight_version())
+        stale = [e for e, v in zip(self.engines, served) if v != version]
+        if not stale:
+            return
+        if weights_path is None:
+            raise RuntimeError(f"cannot restore {version} on engines serving {sorted(set(map(str, served)))}: its "
+                               f"weights are the ones the engines started with and are not on disk; an operator "
+                               f"must restart them")
+        for engine in stale:
+            await engine.pause_generation(self.settings.pause_mode)
+            await engine.update_weights_from_disk(weights_path, version)
+        served = await self._each(lambda e: e.weight_version())
+        wrong = sorted({str(v) for v in served if v != version})
+        if wrong:
+            raise RuntimeError(f"engines serve {wrong} after loading {version}")
+
+    async def _resume(self, ctx: Context, row: Row) -> Result:
+        """HEAD_COMMITTED: generation continues only once every engine serves the committed version."""
+        target: str = row["runtime_load_id"]
+        version = await ctx.get(VERSIONS, target)
+        await self._serve(target, None if version is None else version["weights_path"])
+        await self._each(lambda e: e.continue_generation())
+        await ctx.apply(Transition(KIND, row.id, "HEAD_COMMITTED", row.version, "COMPLETE",
+                                   f"serving {target}", {"commit_acknowledged": True, "detail": None}))
+        return Result()
+
     async def _reject(self, ctx: Context, row: Row) -> Result:
         head = await self.head(ctx)
-        served = await self._each(lambda e: e.weight_version())
-        if head is not None and any(v != head.id for v in served):
-            if head["weights_path"] is None:
-                why = (f"cannot restore {head.id} on engines serving {sorted(set(map(str, served)))}: its weights "
-                       f"are the ones the engines started with and are not on disk; an operator must restart them")
-                if row["detail"] != why:
-                    await ctx.apply(Transition(KIND, row.id, "REJECTING", row.version, "REJECTING", why[:200],
-                                               {"detail": why}))
-                return Result(requeue_after=self.settings.retry_after_s)
-            await self._each(lambda e: e.pause_generation(self.settings.pause_mode))
-            await self._each(lambda e: e.update_weights_from_disk(head["weights_path"], head.id))
+        if head is not None:
+            await self._serve(head.id, head["weights_path"])
+        # Every engine serves the committed head (or nothing was ever published): safe to generate.
         await self._each(lambda e: e.continue_generation())
+        # The trainer must not carry the rejected step into the next job: back to the head's checkpoint.
+        health = await self._trainer("health")
+        if health.get("last_job_id") == row.id:
+            restore = None if head is None or head["job_id"] is None else await ctx.get(KIND, head["job_id"])
+            if restore is None or restore["checkpoint_path"] is None:
+                raise RuntimeError(f"the trainer holds the rejected step and the head "
+                                   f"{head.id if head else '(none)'} has no checkpoint to put back; an operator "
+                                   f"must restart the trainer on the head's weights")
+            await self._trainer("load_checkpoint", restore["checkpoint_path"])
         ops = [Transition(KIND, row.id, "REJECTING", row.version, "REJECTED",
-                          f"incumbent {head.id if head else '(none)'} serving again")]
+                          f"incumbent {head.id if head else '(none)'} serving again", {"detail": None})]
         target = row["target_load_id"]
         version = await ctx.get(VERSIONS, target) if target else None
         if version is not None and version.state in ("target", "loaded"):

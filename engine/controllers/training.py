@@ -19,10 +19,13 @@ An ``AMBIGUOUS`` job is settled only from durable evidence, in this order:
 - the live trainer's latest step is this job (the orchestrator died between ``train`` and the
   checkpoint): the checkpoint is saved and verified now, then ``CHECKPOINT``;
 - the trainer's persisted step record does not name the job, so its step never started on the
-  trainer that holds the weights: ``RUNNING`` again, and it is trained (once);
+  trainer that holds the weights: ``RUNNING`` again, and it is trained (once). A trainer with no
+  record at all counts only if it never took a step: one that stepped without keeping a record
+  (no ``state_dir``) proves nothing;
 - otherwise it stays ``AMBIGUOUS`` with what is known in ``ambiguity``, for an operator.
 
-The trainer being unreachable decides nothing: the job is looked at again later.
+The trainer being unreachable, or a checkpoint that cannot be saved, decides nothing: what
+happened is written to ``ambiguity`` (when it changed) and the job is looked at again later.
 """
 
 from __future__ import annotations
@@ -175,10 +178,16 @@ class TrainingController:
                 health: dict[str, Any] = await self._call("health")
             except Exception as exc:  # noqa: BLE001 - an unreachable trainer proves nothing
                 log.warning("training job %s: the trainer did not answer (%s); looking again later", row.id, exc)
-                return Result(requeue_after=self.settings.retry_after_s)
+                return await self._still_ambiguous(ctx, row, f"the trainer's health did not answer "
+                                                             f"({type(exc).__name__}: {exc}); looking again later")
             if health.get("last_job_id") == row.id:
                 # The live trainer's latest step is this job: make the evidence durable now.
-                info = await self._save_and_verify(path, row.id)
+                try:
+                    info = await self._save_and_verify(path, row.id)
+                except Exception as exc:  # noqa: BLE001 - still the live trainer's step; said, and tried again
+                    return await self._still_ambiguous(ctx, row, f"the live trainer's latest step is this job, but "
+                                                                 f"its checkpoint failed ({type(exc).__name__}: "
+                                                                 f"{exc}); trying again")
                 await ctx.apply(Transition(KIND, row.id, "AMBIGUOUS", row.version, "CHECKPOINT",
                                            f"settled: the trainer's latest step {info['step']} is this job; "
                                            f"checkpoint saved and verified",
@@ -186,21 +195,33 @@ class TrainingController:
                                             "metrics": {"settled_from": "live trainer", "step": info["step"]}}))
                 return Result()
             record = health.get("step_record")
-            if record is None or record.get("job_id") != row.id:
+            # No record proves nothing from a trainer that took steps without keeping one (no state_dir):
+            # only a trainer that never stepped, or whose durable record names another job, is evidence.
+            kept = record is not None or not health.get("step")
+            if kept and (record is None or record.get("job_id") != row.id):
                 seen = "no step record" if record is None else f"its step record names job {record.get('job_id')}"
                 await ctx.apply(Transition(KIND, row.id, "AMBIGUOUS", row.version, "RUNNING",
                                            f"settled: the trainer ({seen}, step {health.get('step')}) never "
                                            f"started this job's step; training it", {"ambiguity": None}))
                 return Result()
-            why = (f"the trainer's step record names this job ({record.get('phase')}, step {record.get('step')}) but "
-                   f"no checkpoint at {path} carries it and the live trainer's latest job is "
-                   f"{health.get('last_job_id')!r}: an operator must decide")
-            if row["ambiguity"] != why:
-                await ctx.apply(Transition(KIND, row.id, "AMBIGUOUS", row.version, "AMBIGUOUS",
-                                           "still ambiguous: waiting for an operator", {"ambiguity": why}))
-            return Result(requeue_after=self.settings.retry_after_s)
+            if record is None:
+                why = (f"the trainer keeps no step record (it is at step {health.get('step')} without one), no "
+                       f"checkpoint at {path} carries this job and the live trainer's latest job is "
+                       f"{health.get('last_job_id')!r}: an operator must decide")
+            else:
+                why = (f"the trainer's step record names this job ({record.get('phase')}, step {record.get('step')}) "
+                       f"but no checkpoint at {path} carries it and the live trainer's latest job is "
+                       f"{health.get('last_job_id')!r}: an operator must decide")
+            return await self._still_ambiguous(ctx, row, why)
         finally:
             self._busy.discard(row.id)
+
+    async def _still_ambiguous(self, ctx: Context, row: Row, why: str) -> Result:
+        """Say in the journal what is known (only when it changed), and look again later."""
+        if row["ambiguity"] != why:
+            await ctx.apply(Transition(KIND, row.id, "AMBIGUOUS", row.version, "AMBIGUOUS",
+                                       "still ambiguous: " + why[:180], {"ambiguity": why}))
+        return Result(requeue_after=self.settings.retry_after_s)
 
 
 def _refused_before_any_step(exc: BaseException) -> bool:
