@@ -2,6 +2,8 @@
 
 from .identity import IDENTITY_EXCLUDED, LoadId, LoadIdError, TrainingPayloadError, canonical, job_identity
 from .jobs import JobClosed, JobConflict, Submission, in_flight, submit_job
+from .operator import InvalidDecision, JobNotFound, JobStateRefused, reject_job, resolve_job
 
-__all__ = ["IDENTITY_EXCLUDED", "JobClosed", "JobConflict", "LoadId", "LoadIdError", "Submission",
-           "TrainingPayloadError", "canonical", "in_flight", "job_identity", "submit_job"]
+__all__ = ["IDENTITY_EXCLUDED", "InvalidDecision", "JobClosed", "JobConflict", "JobNotFound", "JobStateRefused",
+           "LoadId", "LoadIdError", "Submission", "TrainingPayloadError", "canonical", "in_flight", "job_identity",
+           "reject_job", "resolve_job", "submit_job"]

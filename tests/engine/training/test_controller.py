@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from engine.config import Settings
 from engine.controllers.training import TrainingController, TrainingSettings
 from engine.service import Orchestrator
-from engine.training import job_identity, submit_job
+from engine.training import job_identity, resolve_job, submit_job
 from journal import Journal, audit, models
 from tests.workers.trainer.jobs import make_job
 from workers.executor import Executor, ExecutorConfig, WorkerSpec
@@ -205,6 +205,11 @@ async def test_without_evidence_a_job_waits_for_an_operator_and_never_trains(har
         await asyncio.sleep(0.05)
     assert "an operator must decide" in row["ambiguity"] and row["state"] == "AMBIGUOUS"
     assert harness.trainer("health")["step"] == 2  # never trained without evidence
+    # The operator looks and decides the step never ran on these weights: it is trained, once.
+    async with orch.journal.write() as tx:
+        await resolve_job(tx, job_id, "not_run", reason="the trainer's log shows the step never started")
+    row = await until_state(orch.journal, job_id, "CHECKPOINT")
+    assert harness.trainer("health")["step"] == 3 and row["metrics"]["job_id"] == job_id
 
 
 async def test_a_job_the_trainer_refuses_before_any_step_fails(harness: Harness) -> None:
