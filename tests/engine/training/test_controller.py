@@ -9,39 +9,21 @@ process dies; the SIGKILL crash points of every commit are the subject of their 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import sqlalchemy as sa
 
 from engine.config import Settings
 from engine.controllers.training import TrainingController, TrainingSettings
 from engine.service import Orchestrator
 from engine.training import job_identity, resolve_job, submit_job
-from journal import Journal, audit, models
-from tests.workers.trainer.jobs import make_job
-from workers.executor import Executor, ExecutorConfig, WorkerSpec
+from journal import Journal, audit
+from tests.support.training import edges, job_row, payload, submit, until_state
+from workers.executor import Executor
 from workers.trainer.checkpoint import verify_checkpoint
 from workers.trainer.steps import write_step_record
-from workers.trainer.worker import Trainer
-
-
-def payload(salt: int = 0) -> dict[str, Any]:
-    job = make_job("unused", salt)
-    del job["job_id"]  # the orchestrator names the job by its identity
-    return job
-
-
-@pytest.fixture
-def executor(tmp_path: Path) -> Iterator[Executor]:
-    ex = Executor.create(ExecutorConfig(backend="uni", workers=(
-        WorkerSpec(Trainer, kwargs={"seed": 0, "state_dir": str(tmp_path / "trainer")}),)))
-    try:
-        yield ex
-    finally:
-        ex.shutdown()
 
 
 class Harness:
@@ -80,36 +62,6 @@ async def harness(journal_url: str, executor: Executor, tmp_path: Path) -> Async
         yield h
     finally:
         await h.stop()
-
-
-async def job_row(journal: Journal, job_id: str) -> dict[str, Any]:
-    t = models.training_jobs
-    async with journal.read() as conn:
-        return dict((await conn.execute(sa.select(t).where(t.c.id == job_id))).one()._mapping)
-
-
-async def until_state(journal: Journal, job_id: str, *states: str, timeout: float = 30) -> dict[str, Any]:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        row = await job_row(journal, job_id)
-        if row["state"] in states:
-            return row
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"job {job_id[:12]} is {row['state']}, not {states}: {row['ambiguity']}")
-        await asyncio.sleep(0.05)
-
-
-async def edges(journal: Journal, job_id: str) -> list[tuple[str | None, str]]:
-    e = models.events
-    async with journal.read() as conn:
-        return [(r.from_state, r.to_state) for r in (await conn.execute(
-            sa.select(e.c.from_state, e.c.to_state).where(e.c.entity_kind == "training_jobs", e.c.entity_id == job_id)
-            .order_by(e.c.seq))).all()]
-
-
-async def submit(journal: Journal, job: dict[str, Any]) -> str:
-    async with journal.write() as tx:
-        return (await submit_job(tx, "dep", job, trainer_step=0)).job_id
 
 
 async def test_a_job_is_trained_once_checkpointed_and_recorded(harness: Harness) -> None:

@@ -5,7 +5,7 @@ driven by a whole orchestrator."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -17,46 +17,13 @@ from engine.config import Settings
 from engine.controllers.publication import PublicationSettings
 from engine.controllers.training import TrainingController, TrainingSettings
 from engine.service import Orchestrator
-from engine.training import submit_job
-from journal import Journal, audit, models
+from journal import audit, models
 from tests.workers.inference.engines import EngineProc
-from tests.workers.trainer.jobs import make_job
-from workers.executor import Executor, ExecutorConfig, WorkerSpec
+from tests.support.training import job_row, payload, submit, until_state, versions
+from workers.executor import Executor
 from workers.inference import SGLangConfig, SGLangEngine
-from workers.policy import Policy, save_weights
-from workers.trainer.worker import Trainer
 
 pytestmark = pytest.mark.slow
-
-
-def payload(salt: int) -> dict[str, Any]:
-    job = make_job("unused", salt)
-    del job["job_id"]
-    job["scenario_step"] = salt
-    return job
-
-
-@pytest.fixture
-def engine_procs(tmp_path: Path) -> Iterator[list[EngineProc]]:
-    initial = tmp_path / "initial"
-    save_weights(Policy(seed=0), initial, "initial")
-    procs = [EngineProc(["--port", "0", "--model-dir", str(initial), "--enable-test-faults"],
-                        tmp_path / f"engine-{i}.log").start() for i in range(2)]
-    try:
-        yield procs
-    finally:
-        for p in procs:
-            p.kill()
-
-
-@pytest.fixture
-def executor(tmp_path: Path) -> Iterator[Executor]:
-    ex = Executor.create(ExecutorConfig(backend="uni", workers=(
-        WorkerSpec(Trainer, kwargs={"seed": 0, "state_dir": str(tmp_path / "trainer")}),)))
-    try:
-        yield ex
-    finally:
-        ex.shutdown()
 
 
 @pytest.fixture
@@ -84,29 +51,6 @@ async def orch(journal_url: str, executor: Executor, engine_procs: list[EnginePr
             await e.close()
 
 
-async def job(journal: Journal, job_id: str) -> dict[str, Any]:
-    t = models.training_jobs
-    async with journal.read() as conn:
-        return dict((await conn.execute(sa.select(t).where(t.c.id == job_id))).one()._mapping)
-
-
-async def until(journal: Journal, job_id: str, *states: str, timeout: float = 60) -> dict[str, Any]:
-    end = asyncio.get_running_loop().time() + timeout
-    while True:
-        row = await job(journal, job_id)
-        if row["state"] in states:
-            return row
-        if asyncio.get_running_loop().time() > end:
-            raise AssertionError(f"job is {row['state']} ({row['detail']}), not {states}")
-        await asyncio.sleep(0.05)
-
-
-async def versions(journal: Journal) -> dict[str, tuple[str, str | None]]:
-    t = models.weight_versions
-    async with journal.read() as conn:
-        return {r.id: (r.state, r.job_id) for r in (await conn.execute(sa.select(t))).all()}
-
-
 async def served(http: aiohttp.ClientSession, procs: list[EngineProc]) -> list[str]:
     out = []
     for p in procs:
@@ -123,15 +67,10 @@ async def generate(http: aiohttp.ClientSession, proc: EngineProc) -> dict[str, A
         return result
 
 
-async def submit(journal: Journal, salt: int) -> str:
-    async with journal.write() as tx:
-        return (await submit_job(tx, "dep", payload(salt))).job_id
-
-
 async def test_a_trained_job_is_published_behind_the_commit_gate(orch: Orchestrator, engine_procs: list[EngineProc],
                                                                    executor: Executor) -> None:
-    first = await submit(orch.journal, 1)
-    row = await until(orch.journal, first, "COMPLETE")
+    first = await submit(orch.journal, payload(1))
+    row = await until_state(orch.journal, first, "COMPLETE")
     target = row["runtime_load_id"]
     incarnation, _, sequence = target.rpartition(":")
     assert sequence == "1" and row["commit_acknowledged"] is True and row["target_load_id"] == target
@@ -149,8 +88,8 @@ async def test_a_trained_job_is_published_behind_the_commit_gate(orch: Orchestra
                      ("UPDATING_WEIGHTS", "READY_TO_COMMIT"), ("READY_TO_COMMIT", "HEAD_COMMITTED"),
                      ("HEAD_COMMITTED", "COMPLETE")]
     # The next job publishes the next version of the same incarnation.
-    second = await submit(orch.journal, 2)
-    row = await until(orch.journal, second, "COMPLETE")
+    second = await submit(orch.journal, payload(2))
+    row = await until_state(orch.journal, second, "COMPLETE")
     assert row["runtime_load_id"] == f"{incarnation}:2"
     assert executor.rpc(0, "health")["step"] == 2
     assert await audit.verify(orch.journal) == []
@@ -163,8 +102,8 @@ async def test_a_failed_transfer_is_retried_in_full_with_the_same_target(orch: O
         async with http.post(f"{engine_procs[1].url}/_test/fail_next",
                              json={"path": "/update_weights_from_disk", "mode": "error"}) as resp:
             assert resp.status == 200
-        job_id = await submit(orch.journal, 3)
-        row = await until(orch.journal, job_id, "COMPLETE")
+        job_id = await submit(orch.journal, payload(3))
+        row = await until_state(orch.journal, job_id, "COMPLETE")
         assert row["publish_attempts"] == 2 and row["detail"] is None
         assert await served(http, engine_procs) == [row["runtime_load_id"]] * 2
     e = models.events
@@ -177,8 +116,8 @@ async def test_a_failed_transfer_is_retried_in_full_with_the_same_target(orch: O
 
 async def test_a_rejected_candidate_puts_the_committed_head_back(orch: Orchestrator,
                                                                   engine_procs: list[EngineProc]) -> None:
-    first = await submit(orch.journal, 4)
-    head = (await until(orch.journal, first, "COMPLETE"))["runtime_load_id"]
+    first = await submit(orch.journal, payload(4))
+    head = (await until_state(orch.journal, first, "COMPLETE"))["runtime_load_id"]
     controller = orch.reconciler.controllers["training_jobs"]
     assert isinstance(controller, TrainingController) and controller.publisher is not None
     controller.publisher.settings = PublicationSettings("dep", controller.publisher.settings.weights_dir,
@@ -188,9 +127,9 @@ async def test_a_rejected_candidate_puts_the_committed_head_back(orch: Orchestra
         async with http.post(f"{engine_procs[1].url}/_test/fail_next",
                              json={"path": "/update_weights_from_disk", "mode": "error"}) as resp:
             assert resp.status == 200
-        second = await submit(orch.journal, 5)
+        second = await submit(orch.journal, payload(5))
         for _ in range(600):
-            row = await job(orch.journal, second)
+            row = await job_row(orch.journal, second)
             if row["state"] == "UPDATING_WEIGHTS" and row["publish_attempts"] == 2:
                 break
             await asyncio.sleep(0.05)
@@ -200,7 +139,7 @@ async def test_a_rejected_candidate_puts_the_committed_head_back(orch: Orchestra
         async with orch.journal.write() as tx:
             await tx.transition("training_jobs", second, from_state=row["state"], version=row["version"],
                                 to_state="REJECTING", reason="rejected by an operator")
-        await until(orch.journal, second, "REJECTED")
+        await until_state(orch.journal, second, "REJECTED")
         assert await served(http, engine_procs) == [head, head]
         assert (await generate(http, engine_procs[0]))["meta_info"]["weight_version"] == head
     assert (await versions(orch.journal))[candidate] == ("rejected", second)

@@ -15,7 +15,7 @@ Regression tests for the review of issue 6's publication:
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -31,50 +31,14 @@ from engine.reconciler import Context
 from engine.training import submit_job
 from journal import Fence, Journal, audit, lease, models
 from tests.workers.inference.engines import EngineProc
-from tests.workers.trainer.jobs import make_job
-from workers.executor import Executor, ExecutorConfig, WorkerSpec
+from tests.support.training import payload
+from workers.executor import Executor
 from workers.inference import SGLangConfig, SGLangEngine
-from workers.policy import Policy, save_weights
 from workers.trainer.worker import Trainer
 
 pytestmark = pytest.mark.slow
 
 KIND = "training_jobs"
-
-
-def payload(salt: int) -> dict[str, Any]:
-    job = make_job("unused", salt)
-    del job["job_id"]
-    job["scenario_step"] = salt
-    return job
-
-
-@pytest.fixture
-def initial_dir(tmp_path: Path) -> Path:
-    path = tmp_path / "initial"
-    save_weights(Policy(seed=0), path, "initial")
-    return path
-
-
-@pytest.fixture
-def engine_procs(tmp_path: Path, initial_dir: Path) -> Iterator[list[EngineProc]]:
-    procs = [EngineProc(["--port", "0", "--model-dir", str(initial_dir), "--enable-test-faults"],
-                        tmp_path / f"engine-{i}.log").start() for i in range(2)]
-    try:
-        yield procs
-    finally:
-        for p in procs:
-            p.kill()
-
-
-@pytest.fixture
-def executor(tmp_path: Path) -> Iterator[Executor]:
-    ex = Executor.create(ExecutorConfig(backend="uni", workers=(
-        WorkerSpec(Trainer, kwargs={"seed": 0, "state_dir": str(tmp_path / "trainer")}),)))
-    try:
-        yield ex
-    finally:
-        ex.shutdown()
 
 
 class Rig:

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from journal import Journal
-from tests.engine.training.test_controller import Harness, edges, job_row, payload, submit, until_state
+from tests.engine.training.test_controller import Harness
+from tests.support.training import edges, job_row, payload, submit, until_state
 from workers.executor import Executor, ExecutorConfig, WorkerSpec
 from workers.trainer.steps import STEP_FILE
 from workers.trainer.worker import Trainer
@@ -42,18 +43,8 @@ async def bare(journal_url: str, bare_executor: Executor, tmp_path: Path) -> Asy
 
 
 @pytest.fixture
-def record_executor(tmp_path: Path) -> Iterator[Executor]:
-    ex = Executor.create(ExecutorConfig(backend="uni", workers=(
-        WorkerSpec(Trainer, kwargs={"seed": 0, "state_dir": str(tmp_path / "trainer")}),)))
-    try:
-        yield ex
-    finally:
-        ex.shutdown()
-
-
-@pytest.fixture
-async def recording(journal_url: str, record_executor: Executor, tmp_path: Path) -> AsyncIterator[Harness]:
-    h = Harness(journal_url, record_executor, tmp_path / "checkpoints")
+async def recording(journal_url: str, executor: Executor, tmp_path: Path) -> AsyncIterator[Harness]:
+    h = Harness(journal_url, executor, tmp_path / "checkpoints")
     try:
         yield h
     finally:
