@@ -41,8 +41,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
-import sys
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -52,6 +50,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..policy import Policy, WeightsError, load_weights
+from ..reference._common import serve
 from .serving import ReferenceEngineState, ServingError
 
 VERSION = "tidelog-reference-0.1"
@@ -315,29 +314,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(f"--port: {args.port} must lie in [0, 65535]")
     if not args.health_check_timeout > 0:
         raise SystemExit(f"--health-check-timeout: {args.health_check_timeout} must be > 0")
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
     torch.set_num_threads(1)  # a tiny model; more threads only contend with the rest of the host
-
-    async def run() -> None:
-        state = load_state(args.model_dir, args.seed)
-        app = build_app(state, health_timeout=args.health_check_timeout,
-                        test_faults=args.enable_test_faults, host=args.host)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, args.host, args.port)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        print(f"listening on http://{args.host}:{port}", flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
-        await runner.cleanup()
-
-    asyncio.run(run())
-
+    state = load_state(args.model_dir, args.seed)
+    serve(build_app(state, health_timeout=args.health_check_timeout, test_faults=args.enable_test_faults,
+                    host=args.host), args)
 
 __all__ = ["INITIAL_VERSION", "VERSION", "build_app", "load_state", "main", "parser"]
 
