@@ -7,11 +7,14 @@ constant time) and are answered only by the leader. Every error is
 naming the parameter, the value and the rule), ``invalid_body`` (422, naming
 the field, the value and the rule; also ``"field"``), ``unauthorized`` (401),
 ``not_found`` (404), ``checkpoint_open``, ``restore_open``,
-``no_participants``, ``already_exists``, ``not_abortable`` (409),
-``not_leader`` and ``workflow_unavailable`` (503).
+``no_participants``, ``already_exists``, ``not_abortable``, ``job_conflict``,
+``job_closed``, ``job_state`` (409), ``checkpoint_unverified`` (422),
+``not_leader``, ``workflow_unavailable``, ``training_disabled`` and
+``trainer_unavailable`` (503).
 
 The checkpoint workflows' routes (checkpoints, restores, retire, forget) are in
-:mod:`engine.api_workflows`.
+:mod:`engine.api_workflows`; the training routes (jobs, publications, engines)
+in :mod:`engine.api_training`.
 """
 
 from __future__ import annotations
@@ -216,6 +219,9 @@ def make_app(orch: Orchestrator) -> web.Application:
     from .api_workflows import add_workflow_routes
 
     add_workflow_routes(app, orch, mutating)
+    from .api_training import add_training_routes
+
+    add_training_routes(app, orch, mutating)
     return app
 
 

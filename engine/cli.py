@@ -1,5 +1,6 @@
-"""``tidelog`` command line: serve, migrate, status, events, verify, replay, and the workflows
-(checkpoint, restore, retire, forget).
+"""``tidelog`` command line: serve, migrate, status, events, verify, replay, the workflows
+(checkpoint, restore, retire, forget), and training (jobs, publications, engines: see
+:mod:`engine.cli_training`).
 
 Every subcommand reads the same config (``--config PATH``, else
 ``TIDELOG_CONFIG``, else the defaults). Secrets are never taken from the
@@ -30,6 +31,7 @@ from sqlalchemy.exc import DBAPIError
 from journal import JournalError, audit, lease, schema
 
 from . import logs
+from .cli_training import HANDLERS as TRAINING_HANDLERS, add_training_commands
 from .config import ConfigError, Settings, load
 from .leader import LEASE_NAME
 from .progress import ApiFailure, Client, Display, api_url, watch
@@ -77,6 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     rt.add_argument("--attempt", type=int, required=True, help="the attempt to retire (0 is the first)")
     fg = _workflow(sub, "forget", "forget a finished or retired rollout everywhere")
     fg.add_argument("rollout", help="rollout id")
+    add_training_commands(sub)
     d = sub.add_parser("demo", help="checkpoint reference participants mid-episode, SIGKILL them, restore, finish")
     demo_arguments(d)
     return p
@@ -117,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     logs.setup(settings.logging.level, settings.logging.format)
     handlers = {"serve": _serve, "migrate": _migrate, "status": _status, "events": _events, "verify": _verify,
                 "replay": _replay, "checkpoint": _checkpoint, "restore": _restore, "retire": _retire,
-                "forget": _forget, "demo": _demo}
+                "forget": _forget, "demo": _demo, **TRAINING_HANDLERS}
     try:
         return handlers[args.command](settings, args)
     except ApiFailure as exc:

@@ -13,7 +13,7 @@ import re
 import socket
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
@@ -148,6 +148,58 @@ class ParticipantEntry(_Strict):
         return v.rstrip("/")
 
 
+class EngineEntry(ParticipantEntry):
+    """An inference engine of the deployment (SGLang's HTTP admin API, or the reference engine)."""
+
+
+class TrainerSettingsModel(_Strict):
+    """The trainer rank's constructor (``workers.trainer.worker.Trainer``)."""
+
+    seed: int = Field(default=0, ge=0)
+    lr: float = Field(default=0.05, gt=0)
+    device: str | None = None
+    #: Its durable step record (``step.json``): the evidence that settles an ambiguous job.
+    state_dir: str = "./training/trainer"
+
+
+class TrainingWorkflowSettings(_Strict):
+    """Training jobs and commit-gated publication (docs/training.md)."""
+
+    enabled: bool = False
+    deployment: str = Field(default="default", min_length=1, max_length=255)
+    executor: Literal["auto", "uni", "mp", "ray"] = "mp"
+    trainer: TrainerSettingsModel = TrainerSettingsModel()
+    checkpoint_dir: str = "./training/checkpoints"
+    weights_dir: str = "./training/weights"
+    initial_weights: str | None = None
+    train_timeout_s: float = Field(default=3600.0, gt=0, le=7 * 86_400)
+    call_timeout_s: float = Field(default=120.0, gt=0, le=86_400)
+    retry_after_s: float = Field(default=5.0, gt=0, le=3600)
+    pause_mode: Literal["abort", "retract", "in_place"] = "retract"
+    publish_retry_after_s: float = Field(default=2.0, gt=0, le=3600)
+    engine_timeout_s: float = Field(default=30.0, gt=0, le=3600)
+    weight_update_timeout_s: float = Field(default=600.0, gt=0, le=86_400)
+    engines: list[EngineEntry] = Field(default_factory=list)
+
+    @field_validator("engines")
+    @classmethod
+    def _unique(cls, v: list[EngineEntry]) -> list[EngineEntry]:
+        seen: set[str] = set()
+        for e in v:
+            if e.name in seen:
+                raise ValueError(f"engine name {e.name!r} appears twice")
+            seen.add(e.name)
+        return v
+
+    @model_validator(mode="after")
+    def _engines_when_enabled(self) -> TrainingWorkflowSettings:
+        # A job leaves the deployment's single in-flight slot only once published (or rejected).
+        if self.enabled and not self.engines:
+            raise ValueError("training.enabled needs at least one engine in training.engines: a trained "
+                             "job holds the deployment until its weights are published")
+        return self
+
+
 class LoggingSettings(_Strict):
     level: str = "INFO"
     format: str = Field(default="json", pattern="^(json|text)$")
@@ -171,6 +223,7 @@ class Settings(_Strict):
     discovery: DiscoverySettingsModel = DiscoverySettingsModel()
     checkpoint: CheckpointWorkflowSettings = CheckpointWorkflowSettings()
     participants: list[ParticipantEntry] = Field(default_factory=list)
+    training: TrainingWorkflowSettings = TrainingWorkflowSettings()
     logging: LoggingSettings = LoggingSettings()
 
     @field_validator("participants")

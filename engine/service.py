@@ -22,12 +22,14 @@ from .controllers.checkpoint import CheckpointController, CheckpointSettings
 from .controllers.restore import RestoreController, RestoreSettings
 from .controllers.retirement import RetirementController, RetirementSettings
 from .controllers.discovery import DiscoveryController, DiscoverySettings, sync_configured
+from .controllers.engine_gate import sync_engines
 from .crash import CrashHooks
 from .dispatcher import Dispatcher
 from .leader import Leader
 from .metrics import Metrics
 from .reconciler import Controller, Reconciler
 from .rpc import RpcClient
+from .training.wiring import TrainingParts, build_training
 
 log = logging.getLogger("tidelog.service")
 
@@ -82,6 +84,11 @@ class Orchestrator:
             CheckpointController(CheckpointSettings(c.prepare_timeout_s, c.commit_timeout_s, c.resume_timeout_s)),
             RestoreController(RestoreSettings(c.restore_timeout_s, c.resume_timeout_s)),
             RetirementController(RetirementSettings(c.retire_timeout_s))]
+        #: The training half (``training.enabled``): trainer host, engines, their controllers.
+        self.training: TrainingParts | None = None
+        if settings.training.enabled and "training_jobs" not in given:
+            self.training = build_training(settings)
+            builtin += [self.training.controller, self.training.gate]
         for controller in [*(b for b in builtin if b.kind not in given), *(controllers or [])]:
             self.reconciler.register(controller)
         self.with_discovery = with_discovery
@@ -95,6 +102,7 @@ class Orchestrator:
         self.journal.add_commit_listener(self.reconciler.on_commit)
         self.journal.add_commit_listener(self.dispatcher.on_commit)
         self._work: list[asyncio.Task[None]] = []
+        self._draining = False  # set while _stop_work winds the loops down
         self._leader_task: asyncio.Task[None] | None = None
         self.stopped = asyncio.Event()
 
@@ -123,6 +131,14 @@ class Orchestrator:
                     return await sync_configured(tx, configured)
 
                 await self.committer.run(sync)
+            if self.training is not None:
+                t = self.settings.training
+                engines: Mapping[str, str] = {e.name: e.url for e in t.engines}
+
+                async def sync_gate(tx: Any) -> list[str]:
+                    return await sync_engines(tx, t.deployment, engines)
+
+                await self.committer.run(sync_gate)
             await self.dispatcher.recover()
         except (LeaseLost, Exception):
             log.exception("start-up recovery failed; stepping down")
@@ -148,8 +164,12 @@ class Orchestrator:
             self.leader.lost(exc)
             return
         except Exception:
+            if self._draining:
+                return  # cancelled reconciles end the loop while work stops: not a failure
             log.exception("%s stopped unexpectedly; stepping down so that recovery restarts it", name)
         else:
+            if self._draining:
+                return  # the drain cancelled a reconcile past its grace, which ends the loop
             log.error("%s returned unexpectedly; stepping down", name)
         self.leader.lost()
 
@@ -169,6 +189,7 @@ class Orchestrator:
         if not work:
             return
         grace = self.settings.orchestrator.shutdown_grace_s
+        self._draining = True
         try:
             await self.reconciler.drain(grace)
         finally:
@@ -179,6 +200,7 @@ class Orchestrator:
             for t in pending:
                 t.cancel()
             await asyncio.gather(*work, return_exceptions=True)
+            self._draining = False
 
     async def stop(self) -> None:
         """Graceful stop: finish in-flight work within the grace period, release the lease."""
@@ -194,5 +216,7 @@ class Orchestrator:
         except Exception:
             log.exception("could not release the lease; a standby takes over when it lapses")
         await self.rpc.close()
+        if self.training is not None:
+            await self.training.close()
         await self.journal.dispose()
         self.stopped.set()

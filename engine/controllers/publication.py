@@ -35,6 +35,7 @@ self-transition (only when the reason changed) and tried again after ``retry_aft
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -65,6 +66,9 @@ class PublicationSettings:
     pause_mode: str = "retract"
     #: How soon a failed transfer is tried again.
     retry_after_s: float = 2.0
+    #: The weights directory the engines started with: recorded as the first committed version's
+    #: ``weights_path``, so an engine can be put back on it (None: it cannot be).
+    initial_weights: str | None = None
 
 
 class Publisher:
@@ -77,6 +81,8 @@ class Publisher:
         self._trainer = trainer
         self.engines = list(engines)
         self.settings = settings
+        #: Held by every publication step and by the engine gate (engine/controllers/engine_gate.py).
+        self.lock = asyncio.Lock()
 
     def weights_path(self, load_id: str) -> str:
         return str(Path(self.settings.weights_dir) / load_id.replace(":", "-"))
@@ -113,8 +119,16 @@ class Publisher:
             return Result(requeue_after=self.settings.retry_after_s)
 
     async def _each(self, call: Callable[[InferenceEngine], Awaitable[Any]]) -> list[Any]:
-        """``call`` on every engine, in order; the first failure is raised."""
-        return [await call(engine) for engine in self.engines]
+        """``call`` on every engine at once; the results in engine order, or the first engine's failure.
+
+        Every call is let finish before a failure is raised: each is safe to repeat, and the step's
+        retry repeats all of them, so no engine is left with a call of this attempt still running.
+        """
+        results = await asyncio.gather(*(call(engine) for engine in self.engines), return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return list(results)
 
     async def head(self, ctx: Context) -> Row | None:
         """The deployment's committed version with the highest sequence."""
@@ -156,7 +170,7 @@ class Publisher:
             if initial is not None:
                 await tx.apply([Create(VERSIONS, str(initial), "the weights the engines started with", {
                     "deployment": self.settings.deployment, "incarnation": initial.incarnation,
-                    "sequence": initial.sequence}, "committed")])
+                    "sequence": initial.sequence, "weights_path": self.settings.initial_weights}, "committed")])
             await tx.apply([
                 Create(VERSIONS, target, f"target of job {row.id[:12]}", {
                     "deployment": self.settings.deployment, "incarnation": nxt.incarnation,

@@ -3,6 +3,9 @@
 A job is recorded ``RUNNING`` (``engine.training.submit_job``) before the trainer is called.
 This controller then, for a ``RUNNING`` job whose ``RUNNING`` commit it saw in this process:
 
+0. brings the trainer onto the deployment's latest verified step if it holds another (a trainer
+   process started again after a crash loads the newest job's checkpoint; a fresh one of a new
+   deployment declares its initial weights) — see ``_sync_trainer``;
 1. calls ``train`` on the trainer rank (through an executor: uni, mp or Ray);
 2. saves the checkpoint tagged with the job id (``<checkpoint_dir>/<job id>.ckpt``) and
    verifies it;
@@ -13,7 +16,8 @@ except a refusal the trainer makes before any step (a malformed job): ``FAILED``
 
 A ``RUNNING`` job this process did not record — found after a restart or a take-over — may
 have been trained by a process that died: it becomes ``AMBIGUOUS``, never trained on sight.
-An ``AMBIGUOUS`` job is settled only from durable evidence, in this order:
+An ``AMBIGUOUS`` job is settled only from durable evidence (after the same bringing-on of the
+trainer, which leaves alone a trainer whose latest step is the job), in this order:
 
 - a checkpoint at its path that verifies and carries its job id: ``CHECKPOINT``;
 - the live trainer's latest step is this job (the orchestrator died between ``train`` and the
@@ -37,8 +41,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from journal import Committed, Transition
-from journal.writes import Row
+import sqlalchemy as sa
+
+from journal import Committed, Transition, models
+from journal.writes import Row, to_row
 
 from workers.inference.engine import InferenceEngine
 
@@ -48,6 +54,10 @@ from .publication import PublicationSettings, Publisher
 log = logging.getLogger("tidelog.training")
 
 KIND = "training_jobs"
+#: States whose job's step is verified (a checkpoint) and stays in the trainer's lineage.
+KEPT = ("CHECKPOINT", "UPDATING_WEIGHTS", "READY_TO_COMMIT", "HEAD_COMMITTED", "COMPLETE")
+#: The job id a trainer's step record names when it holds its initial weights (workers.trainer.steps).
+INITIAL = "initial"
 
 
 class TrainerRanks(Protocol):
@@ -109,7 +119,8 @@ class TrainingController:
                 return Result()  # no engines to publish to: the job waits in its state
             self._busy.add(job_id)
             try:
-                return await self.publisher.step(ctx, row)
+                async with self.publisher.lock:
+                    return await self.publisher.step(ctx, row)
             finally:
                 self._busy.discard(job_id)
         if row.state == "RUNNING":
@@ -117,14 +128,66 @@ class TrainingController:
                 await ctx.apply(self._ambiguous(row, "found RUNNING without having recorded it here (a restart or "
                                                      "a take-over): its step may have run"))
                 return Result()
-            return await self._train(ctx, row)
+            try:
+                health = await self._sync_trainer(ctx, row)
+            except Exception as exc:  # noqa: BLE001 - train was not called: the job stays RUNNING, ours to train
+                self._recorded[job_id] = row.version
+                log.warning("training job %s: the trainer is not ready (%s: %s); trying again", job_id[:12],
+                            type(exc).__name__, exc)
+                return Result(requeue_after=self.settings.retry_after_s)
+            return await self._train(ctx, row, health)
         return await self._settle(ctx, row)
 
-    def _ambiguous(self, row: Row, why: str) -> Transition:
-        return Transition(KIND, row.id, row.state, row.version, "AMBIGUOUS", why[:200], {"ambiguity": why})
+    async def _sync_trainer(self, ctx: Context, row: Row) -> dict[str, Any]:
+        """Put the trainer on the deployment's latest verified step before trusting what it holds.
 
-    async def _train(self, ctx: Context, row: Row) -> Result:
-        """Call train, save and verify the checkpoint, record CHECKPOINT (or what went wrong)."""
+        A trainer whose latest step is ``row``'s job is left alone: that is evidence for settling
+        it. Otherwise, when the deployment has a job with a verified checkpoint (``CHECKPOINT``
+        or later, not rejected) and the trainer's latest step is another, that checkpoint is
+        loaded — a trainer process started again after a crash, or one that a checkpoint found
+        on disk moved ahead of. A fresh trainer of a deployment with no such job declares its
+        initial weights, so a step record a dead trainer process left naming a job no longer
+        reads as that job's step being held. Returns the trainer's health (step and latest job as
+        they are after this).
+        """
+        health: dict[str, Any] = await self._call("health")
+        last = health.get("last_job_id")
+        if last == row.id:
+            return health
+        latest = await self._latest_step(ctx, row)
+        if latest is not None:
+            if last != latest.id:
+                log.info("training job %s: the trainer's latest step is %r; loading job %s's checkpoint first",
+                         row.id[:12], last, latest.id[:12])
+                info = await self._call("load_checkpoint", latest["checkpoint_path"])
+                health = {**health, "step": info["step"], "last_job_id": info["job_id"]}
+        elif last is None and not health.get("step"):
+            record = health.get("step_record")
+            if record is not None and record.get("job_id") != INITIAL:
+                await self._call("declare_initial")
+        return health
+
+    async def _latest_step(self, ctx: Context, row: Row) -> Row | None:
+        """The deployment's newest other job whose step is verified and kept (its checkpoint)."""
+        t = models.training_jobs
+        async with ctx.journal.read() as conn:
+            found = (await conn.execute(
+                sa.select(t).where(t.c.deployment == row["deployment"], t.c.id != row.id,
+                                   t.c.state.in_(KEPT), t.c.checkpoint_path.is_not(None))
+                .order_by(t.c.created_at.desc()).limit(1))).first()
+        return None if found is None else to_row(KIND, found._mapping)
+
+    def _ambiguous(self, row: Row, why: str, extra: dict[str, Any] | None = None) -> Transition:
+        return Transition(KIND, row.id, row.state, row.version, "AMBIGUOUS", why[:200],
+                          {"ambiguity": why, **(extra or {})})
+
+    async def _train(self, ctx: Context, row: Row, health: dict[str, Any]) -> Result:
+        """Call train, save and verify the checkpoint, record CHECKPOINT (or what went wrong).
+
+        Every outcome records ``trainer_step``, the trainer's step just before ``train`` was called:
+        what an operator compares with the trainer's step record when the outcome is ambiguous.
+        """
+        before = {"trainer_step": health.get("step")}
         self._busy.add(row.id)
         try:
             try:
@@ -133,21 +196,22 @@ class TrainingController:
             except Exception as exc:  # noqa: BLE001 - the trainer's own exception, kept intact by the executor
                 if _refused_before_any_step(exc):
                     await ctx.apply(Transition(KIND, row.id, "RUNNING", row.version, "FAILED",
-                                               f"the trainer refused the job: {exc}"[:200], {"detail": str(exc)}))
+                                               f"the trainer refused the job: {exc}"[:200],
+                                               {"detail": str(exc), **before}))
                 else:
                     await ctx.apply(self._ambiguous(row, f"train failed ({type(exc).__name__}: {exc}); the step "
-                                                         f"may have run"))
+                                                         f"may have run", before))
                 return Result()
             path = self.checkpoint_path(row.id)
             try:
                 info = await self._save_and_verify(path, row.id)
             except Exception as exc:  # noqa: BLE001 - the step ran, but no durable evidence of it yet
                 await ctx.apply(self._ambiguous(row, f"trained, but the checkpoint failed ({type(exc).__name__}: "
-                                                     f"{exc})"))
+                                                     f"{exc})", before))
                 return Result()
             await ctx.apply(Transition(KIND, row.id, "RUNNING", row.version, "CHECKPOINT",
                                        f"step {info['step']} trained and its checkpoint verified",
-                                       {"checkpoint_path": path, "metrics": metrics}))
+                                       {"checkpoint_path": path, "metrics": metrics, **before}))
         finally:
             self._busy.discard(row.id)
         return Result()
@@ -159,11 +223,25 @@ class TrainingController:
             raise ValueError(f"checkpoint {path} carries job {info.get('job_id')!r}, not {job_id!r}")
         return info
 
+    async def verify_checkpoint_of(self, job_id: str, path: str) -> dict[str, Any]:
+        """Have the trainer verify the checkpoint at ``path`` and check it carries ``job_id`` (the
+        operator's ``resolve ran``); its info. A checkpoint that does not verify or carries another
+        job raises a :class:`ValueError` (the trainer's ``CheckpointError`` is one); an unreachable
+        trainer raises the executor's error."""
+        info: dict[str, Any] = await self._call("verify_checkpoint", path)
+        if info.get("job_id") != job_id:
+            raise ValueError(f"checkpoint {path} carries job {info.get('job_id')!r}, not {job_id!r}")
+        return info
+
     async def _settle(self, ctx: Context, row: Row) -> Result:
         """An AMBIGUOUS job: settle it from durable evidence, or say what is known."""
         path = self.checkpoint_path(row.id)
         self._busy.add(row.id)
         try:
+            try:
+                await self._sync_trainer(ctx, row)
+            except Exception as exc:  # noqa: BLE001 - an unreachable trainer proves nothing
+                log.warning("training job %s: could not bring the trainer onto the latest step (%s)", row.id, exc)
             try:
                 info: dict[str, Any] | None = await self._call("verify_checkpoint", path)
             except Exception:  # noqa: BLE001 - no checkpoint there (or a damaged one): not evidence

@@ -71,7 +71,7 @@ async def reject_job(tx: WriteTx, job_id: str, *, reason: str) -> Row:
 
 
 async def resolve_job(tx: WriteTx, job_id: str, decision: str, *, reason: str,
-                      checkpoint_path: str | None = None) -> Row:
+                      checkpoint_path: str | None = None, verified_step: int | None = None) -> Row:
     """Settle an ``AMBIGUOUS`` job as the operator decided (see the module docs); returns the row as it was."""
     if decision not in DECISIONS:
         raise InvalidDecision("decision", decision, f"must be one of {', '.join(DECISIONS)}")
@@ -88,7 +88,8 @@ async def resolve_job(tx: WriteTx, job_id: str, decision: str, *, reason: str,
     if decision == "ran":
         await tx.transition(KIND, job_id, from_state="AMBIGUOUS", version=row.version, to_state="CHECKPOINT",
                             reason=said, changes={"checkpoint_path": checkpoint_path, "ambiguity": None,
-                                                  "metrics": {"settled_from": "operator", "reason": reason}})
+                                                  "metrics": {"settled_from": "operator", "reason": reason,
+                                                              "step": verified_step}})
     elif decision == "not_run":
         await tx.transition(KIND, job_id, from_state="AMBIGUOUS", version=row.version, to_state="RUNNING",
                             reason=said, changes={"ambiguity": None})

@@ -8,7 +8,8 @@ atomically at each transition:
   will become.
 - ``applied``: written right after that step; ``step`` is now the trainer's step.
 - ``loaded``: written after a checkpoint was loaded; ``job_id`` and ``step`` are the
-  checkpoint's.
+  checkpoint's — or ``initial`` and 0 when a fresh trainer declared that it holds its initial
+  weights (``Trainer.declare_initial``), so no job's step is in them.
 
 Reading it: if the record does not name a job, that job's step never started on this
 trainer and training it is safe; if it names the job (``started`` or ``applied``), the step
@@ -28,6 +29,8 @@ from workers.files import write_atomically
 from workers.trainer.errors import StepRecordError
 
 STEP_FILE = "step.json"
+#: The job id a ``loaded`` record names when the trainer holds its initial weights (no job's step).
+INITIAL = "initial"
 PHASES: tuple[str, ...] = ("started", "applied", "loaded")
 StepPhase = Literal["started", "applied", "loaded"]
 
@@ -81,4 +84,4 @@ def read_step_record(state_dir: str | Path) -> StepRecord | None:
     return StepRecord(step=step, job_id=job_id, phase=phase, at=float(at))
 
 
-__all__ = ["PHASES", "STEP_FILE", "StepPhase", "StepRecord", "read_step_record", "write_step_record"]
+__all__ = ["INITIAL", "PHASES", "STEP_FILE", "StepPhase", "StepRecord", "read_step_record", "write_step_record"]

@@ -42,7 +42,7 @@ from workers.trainer.checkpoint import read_checkpoint, verify_checkpoint, write
 from workers.trainer.errors import CheckpointError, TrainerStateError
 from workers.trainer.job import TrainingJob, parse_job
 from workers.trainer.objective import make_batch, reinforce_loss
-from workers.trainer.steps import read_step_record, write_step_record
+from workers.trainer.steps import INITIAL, read_step_record, write_step_record
 from workers.trainer.transfer import Receiver, WeightsTarget, prepare, send
 
 
@@ -180,6 +180,22 @@ class Trainer:
         if self._state_dir is not None:
             write_step_record(self._state_dir, info.step, info.job_id, "loaded")
         return info.as_dict()
+
+    def declare_initial(self) -> dict[str, Any]:
+        """Say durably that this trainer holds its initial weights: no job's step is in them.
+
+        Only a trainer at step 0 that never loaded a checkpoint may say so. The step record
+        becomes ``loaded`` at step 0 for job ``initial`` (no job id is ``initial``: ids are
+        SHA-256 hex), so a record a dead trainer process left behind, naming a job whose step
+        died with that process's memory, no longer reads as that job's step being held here.
+        """
+        if self.step != 0 or self.last_job_id is not None:
+            raise TrainerStateError(f"this trainer is at step {self.step} (job {self.last_job_id!r}): "
+                                    f"its weights are not the initial ones")
+        record = None
+        if self._state_dir is not None:
+            record = write_step_record(self._state_dir, 0, INITIAL, "loaded")
+        return {"step": 0, "job_id": None, "step_record": record.as_dict() if record else None}
 
     # -- weights ----------------------------------------------------------------------
 
