@@ -240,7 +240,7 @@ def add_training_routes(app: web.Application, orch: Orchestrator, mutating: Call
         job_id = request.match_info["id"]
         # Refused before the trainer is asked anything: a job that is not there or not AMBIGUOUS.
         async with orch.journal.read() as conn:
-            found = (await conn.execute(sa.select(t.c.state).where(t.c.id == job_id))).first()
+            found = (await conn.execute(sa.select(t.c.state, t.c.trainer_step).where(t.c.id == job_id))).first()
         if found is None:
             raise JobNotFound(job_id)
         if found.state != "AMBIGUOUS":
@@ -258,6 +258,14 @@ def add_training_routes(app: web.Application, orch: Orchestrator, mutating: Call
                 raise ApiError(503, "trainer_unavailable", f"could not have the trainer verify {path!r} "
                                                            f"({type(exc).__name__}: {exc}); nothing was "
                                                            f"written") from None
+            # The job's step comes right after the one the trainer was at when it was called: a
+            # checkpoint at another step (trained on another base) is not this job's step.
+            if found.trainer_step is not None and verified.get("step") != found.trainer_step + 1:
+                raise ApiError(422, "checkpoint_unverified", f"checkpoint_path={_shown(path)}: it holds step "
+                                                             f"{verified.get('step')}, but job {job_id}'s step is "
+                                                             f"{found.trainer_step + 1} (the trainer was at "
+                                                             f"{found.trainer_step} when it was called); nothing "
+                                                             f"was written", "checkpoint_path")
 
         async def write(tx: WriteTx) -> str:
             row = await resolve_job(tx, job_id, body.decision, reason=body.reason,

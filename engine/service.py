@@ -165,7 +165,8 @@ class Orchestrator:
             return
         except Exception:
             if self._draining:
-                return  # cancelled reconciles end the loop while work stops: not a failure
+                log.warning("%s ended with an error while stopping", name, exc_info=True)
+                return
             log.exception("%s stopped unexpectedly; stepping down so that recovery restarts it", name)
         else:
             if self._draining:
@@ -182,6 +183,9 @@ class Orchestrator:
     async def _lost(self) -> None:
         self.metrics.leader.set(0)
         await self._stop_work()
+        if self.training is not None:
+            # The next leader starts its own trainer; this one's must not train beside it.
+            await asyncio.to_thread(self.training.host.release)
 
     async def _stop_work(self) -> None:
         """Drain reconciles and in-flight calls for up to the grace period each, then cancel."""
@@ -191,16 +195,18 @@ class Orchestrator:
         grace = self.settings.orchestrator.shutdown_grace_s
         self._draining = True
         try:
-            await self.reconciler.drain(grace)
+            try:
+                await self.reconciler.drain(grace)
+            finally:
+                for t in work:
+                    t.cancel()
+                # The dispatcher awaits its calls when cancelled; bound that wait too.
+                _, pending = await asyncio.wait(work, timeout=grace)
+                for t in pending:
+                    t.cancel()
+                await asyncio.gather(*work, return_exceptions=True)
         finally:
-            for t in work:
-                t.cancel()
-            # The dispatcher awaits its calls when cancelled; bound that wait too.
-            _, pending = await asyncio.wait(work, timeout=grace)
-            for t in pending:
-                t.cancel()
-            await asyncio.gather(*work, return_exceptions=True)
-            self._draining = False
+            self._draining = False  # also when this stop is itself cancelled part-way
 
     async def stop(self) -> None:
         """Graceful stop: finish in-flight work within the grace period, release the lease."""

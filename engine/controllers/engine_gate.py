@@ -45,17 +45,23 @@ UNCOMMITTED = ("UPDATING_WEIGHTS", "READY_TO_COMMIT")
 PUBLISHER_ACTS = ("CHECKPOINT", "HEAD_COMMITTED", "REJECTING")
 
 
-async def sync_engines(tx: WriteTx, deployment: str, configured: Mapping[str, str]) -> list[str]:
-    """Make the deployment's ``engines`` rows match the configuration (name -> url); returns the names touched.
+def engine_id(deployment: str, name: str) -> str:
+    """An engine's row id: ``<deployment>/<name>`` (names are unique within a deployment only)."""
+    return f"{deployment}/{name}"
 
-    A new name is created ``registered``; a changed URL retires the row and registers it again; a
-    name no longer configured is ``retired`` (its history stays).
+
+async def sync_engines(tx: WriteTx, deployment: str, configured: Mapping[str, str]) -> list[str]:
+    """Make the deployment's ``engines`` rows match the configuration (name -> url); returns the ids touched.
+
+    A new name is created ``registered`` (id :func:`engine_id`); a changed URL retires the row and
+    registers it again; a name no longer configured is ``retired`` (its history stays).
     """
     t = models.engines
     rows = {r.id: r for r in (await tx.execute(sa.select(t.c.id, t.c.state, t.c.version, t.c.url).where(
         t.c.deployment == deployment))).all()}
     touched: list[str] = []
-    for name, url in configured.items():
+    ids = {engine_id(deployment, name): url for name, url in configured.items()}
+    for name, url in ids.items():
         row = rows.get(name)
         if row is None:
             await tx.create(KIND, name, reason="configured", values={"deployment": deployment, "url": url})
@@ -73,7 +79,7 @@ async def sync_engines(tx: WriteTx, deployment: str, configured: Mapping[str, st
             continue
         touched.append(name)
     for name, row in rows.items():
-        if name not in configured and row.state != "retired":
+        if name not in ids and row.state != "retired":
             await tx.transition(KIND, name, from_state=row.state, version=row.version, to_state="retired",
                                 reason="no longer configured")
             touched.append(name)
@@ -188,4 +194,4 @@ class EngineGateController:
         await ctx.apply(Transition(KIND, row.id, row.state, row.version, state, str(said)[:200], changes))
 
 
-__all__ = ["EngineGateController", "GateSettings", "sync_engines"]
+__all__ = ["EngineGateController", "GateSettings", "engine_id", "sync_engines"]

@@ -77,8 +77,11 @@ class Publisher:
     STATES = ("CHECKPOINT", "UPDATING_WEIGHTS", "READY_TO_COMMIT", "HEAD_COMMITTED", "REJECTING")
 
     def __init__(self, trainer: TrainerCall, engines: Sequence[InferenceEngine],
-                 settings: PublicationSettings) -> None:
+                 settings: PublicationSettings, *, ensure_trainer: Callable[[], Awaitable[Any]] | None = None) -> None:
         self._trainer = trainer
+        # Starts a trainer if the one there died: only at the start of a step that then asks the
+        # trainer what it holds before acting on it (a fresh trainer holds its initial weights).
+        self._ensure_trainer = ensure_trainer
         self.engines = list(engines)
         self.settings = settings
         #: Held by every publication step and by the engine gate (engine/controllers/engine_gate.py).
@@ -196,8 +199,10 @@ class Publisher:
             if not first:
                 # A retry: whatever happened to the engines, pause them again and send everything.
                 await self._each(lambda e: e.pause_generation(self.settings.pause_mode))
+            if self._ensure_trainer is not None:
+                await self._ensure_trainer()
             health = await self._trainer("health")
-            if health.get("last_job_id") != row.id:
+            if health.get("last_job_id") != row.id or health.get("in_doubt") is not None:
                 await self._trainer("load_checkpoint", row["checkpoint_path"])
             await self._trainer("prepare_weights", {"version": target, "directory": path})
             await self._each(lambda e: e.update_weights_from_disk(path, target))
@@ -271,6 +276,8 @@ class Publisher:
         # Every engine serves the committed head (or nothing was ever published): safe to generate.
         await self._each(lambda e: e.continue_generation())
         # The trainer must not carry the rejected step into the next job: back to the head's checkpoint.
+        if self._ensure_trainer is not None:
+            await self._ensure_trainer()
         health = await self._trainer("health")
         if health.get("last_job_id") == row.id:
             restore = None if head is None or head["job_id"] is None else await ctx.get(KIND, head["job_id"])

@@ -70,6 +70,8 @@ class TrainerRanks(Protocol):
 @dataclass(frozen=True)
 class TrainingSettings:
     checkpoint_dir: str
+    #: The deployment whose jobs this controller trains (None: every job it is given; tests).
+    deployment: str | None = None
     #: The trainer rank that takes the steps (the executor's others follow it, if any).
     rank: int = 0
     train_timeout_s: float = 3600.0
@@ -86,7 +88,8 @@ class TrainingController:
         self._executor = executor
         self.settings = settings
         # From CHECKPOINT on, the job's weights are published (when engines are given).
-        self.publisher = None if publication is None else Publisher(self._call, *publication)
+        self.publisher = None if publication is None else Publisher(self._call, *publication,
+                                                                      ensure_trainer=self._ensure_trainer)
         # Job id -> the version of the RUNNING row this process committed: the only RUNNING
         # records it may act on by calling train (once each).
         self._recorded: dict[str, int] = {}
@@ -103,7 +106,15 @@ class TrainingController:
 
     async def _call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
         limit = timeout if timeout is not None else self.settings.call_timeout_s
-        return await asyncio.to_thread(self._executor.rpc, self.settings.rank, method, args, None, limit)
+        try:
+            return await asyncio.to_thread(self._executor.rpc, self.settings.rank, method, args, None, limit)
+        except TimeoutError:
+            # A trainer that does not answer a cheap call is stuck: calls would only queue behind it.
+            # Stopping it loses nothing durable; the next sync point starts a fresh one.
+            release = getattr(self._executor, "release", None)
+            if method != "train" and release is not None:
+                await asyncio.to_thread(release, f"{method} did not answer within {limit:g} s")
+            raise
 
     # -- the machine ----------------------------------------------------------------------
 
@@ -112,6 +123,8 @@ class TrainingController:
         if row is None or row.state not in ("RUNNING", "AMBIGUOUS", *Publisher.STATES):
             self._recorded.pop(job_id, None)
             return Result()
+        if self.settings.deployment is not None and row["deployment"] != self.settings.deployment:
+            return Result()  # another deployment's job: its trainer and engines are not these
         if job_id in self._busy:
             return Result()  # the calls' end writes the outcome and wakes it
         if row.state in Publisher.STATES:
@@ -141,31 +154,63 @@ class TrainingController:
     async def _sync_trainer(self, ctx: Context, row: Row) -> dict[str, Any]:
         """Put the trainer on the deployment's latest verified step before trusting what it holds.
 
-        A trainer whose latest step is ``row``'s job is left alone: that is evidence for settling
-        it. Otherwise, when the deployment has a job with a verified checkpoint (``CHECKPOINT``
-        or later, not rejected) and the trainer's latest step is another, that checkpoint is
-        loaded — a trainer process started again after a crash, or one that a checkpoint found
-        on disk moved ahead of. A fresh trainer of a deployment with no such job declares its
-        initial weights, so a step record a dead trainer process left naming a job no longer
-        reads as that job's step being held. Returns the trainer's health (step and latest job as
-        they are after this).
+        The one place (with the publisher's transfer and rejection) where a trainer that died is
+        started again (``TrainerHost.ensure``): a fresh one holds its initial weights.
+
+        - A trainer whose latest step is ``row``'s job, finished, is left alone: that is evidence
+          for settling it.
+        - When the deployment has a job with a verified checkpoint (``CHECKPOINT`` or later, not
+          rejected) and the trainer's latest step is another one, or a step began and did not
+          finish (``in_doubt``: the weights may hold part of it), that checkpoint is loaded: a
+          trainer started again after a crash continues from it, bit for bit.
+        - With no such job the trainer must hold its initial weights. A fresh one declares them,
+          so a step record a dead trainer process left naming a job no longer reads as that
+          job's step being held (it died with that process's memory). One that holds steps or
+          part of a step no kept job accounts for (a job abandoned by an operator, a step that
+          raised part-way) is stopped and started again, then declares them. An executor a
+          caller handed in cannot be started again: its trainer is trusted as it is.
+
+        Returns the trainer's health (step and latest job as they are after this).
         """
+        await self._ensure_trainer()
         health: dict[str, Any] = await self._call("health")
-        last = health.get("last_job_id")
-        if last == row.id:
+        last, doubt = health.get("last_job_id"), health.get("in_doubt")
+        if last == row.id and doubt is None:
             return health
         latest = await self._latest_step(ctx, row)
         if latest is not None:
-            if last != latest.id:
-                log.info("training job %s: the trainer's latest step is %r; loading job %s's checkpoint first",
-                         row.id[:12], last, latest.id[:12])
+            if last != latest.id or doubt is not None:
+                log.info("training job %s: the trainer's latest step is %r (in doubt: %r); loading job %s's "
+                         "checkpoint first", row.id[:12], last, doubt, latest.id[:12])
                 info = await self._call("load_checkpoint", latest["checkpoint_path"])
-                health = {**health, "step": info["step"], "last_job_id": info["job_id"]}
-        elif last is None and not health.get("step"):
-            record = health.get("step_record")
-            if record is not None and record.get("job_id") != INITIAL:
-                await self._call("declare_initial")
+                health = {**health, "step": info["step"], "last_job_id": info["job_id"], "in_doubt": None}
+            return health
+        if last is not None or health.get("step") or doubt is not None:
+            why = (f"it holds steps no kept job of the deployment accounts for (latest job {last!r}, step "
+                   f"{health.get('step')}, in doubt {doubt!r})")
+            if not await self._restart_trainer(why):
+                return health
+            health = await self._call("health")
+        record = health.get("step_record")
+        if record is not None and record.get("job_id") != INITIAL:
+            await self._call("declare_initial")
+            health = await self._call("health")
         return health
+
+    async def _ensure_trainer(self) -> bool:
+        """Start a trainer if the host has none live (True when a fresh one was started)."""
+        ensure = getattr(self._executor, "ensure", None)
+        return bool(await asyncio.to_thread(ensure)) if ensure is not None else False
+
+    async def _restart_trainer(self, why: str) -> bool:
+        """Stop the trainer and start a fresh one (False: the executor cannot be restarted)."""
+        release = getattr(self._executor, "release", None)
+        if release is None:
+            return False
+        log.warning("restarting the trainer: %s", why)
+        await asyncio.to_thread(release, why)
+        await self._ensure_trainer()
+        return True
 
     async def _latest_step(self, ctx: Context, row: Row) -> Row | None:
         """The deployment's newest other job whose step is verified and kept (its checkpoint)."""
@@ -258,7 +303,7 @@ class TrainingController:
                 log.warning("training job %s: the trainer did not answer (%s); looking again later", row.id, exc)
                 return await self._still_ambiguous(ctx, row, f"the trainer's health did not answer "
                                                              f"({type(exc).__name__}: {exc}); looking again later")
-            if health.get("last_job_id") == row.id:
+            if health.get("last_job_id") == row.id and health.get("in_doubt") is None:
                 # The live trainer's latest step is this job: make the evidence durable now.
                 try:
                     info = await self._save_and_verify(path, row.id)

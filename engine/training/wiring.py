@@ -18,7 +18,7 @@ from workers.inference.engine import InferenceEngine
 from workers.inference.sglang import SGLangConfig, SGLangEngine
 
 from ..config import Settings
-from ..controllers.engine_gate import EngineGateController, GateSettings
+from ..controllers.engine_gate import EngineGateController, GateSettings, engine_id
 from ..controllers.publication import PublicationSettings
 from ..controllers.training import TrainingController, TrainingSettings
 from .trainer_host import TrainerHost
@@ -35,7 +35,7 @@ class TrainingParts:
     gate: EngineGateController
 
     async def close(self) -> None:
-        self.host.shutdown()
+        await asyncio.to_thread(self.host.shutdown)
         for engine in self.engines.values():
             close = getattr(engine, "close", None)
             if close is not None:
@@ -52,13 +52,13 @@ def build_training(settings: Settings) -> TrainingParts:
 
     host = TrainerHost(factory)
     engines: dict[str, InferenceEngine] = {
-        e.name: SGLangEngine(SGLangConfig(url=e.url, timeout=t.engine_timeout_s,
+        engine_id(t.deployment, e.name): SGLangEngine(SGLangConfig(url=e.url, timeout=t.engine_timeout_s,
                                           weight_update_timeout=t.weight_update_timeout_s))
         for e in t.engines}
     publication = PublicationSettings(deployment=t.deployment, weights_dir=t.weights_dir, pause_mode=t.pause_mode,
                                       retry_after_s=t.publish_retry_after_s, initial_weights=t.initial_weights)
     controller = TrainingController(host, TrainingSettings(
-        checkpoint_dir=t.checkpoint_dir, train_timeout_s=t.train_timeout_s, call_timeout_s=t.call_timeout_s,
+        checkpoint_dir=t.checkpoint_dir, deployment=t.deployment, train_timeout_s=t.train_timeout_s, call_timeout_s=t.call_timeout_s,
         retry_after_s=t.retry_after_s), publication=(list(engines.values()), publication) if engines else None)
     lock = controller.publisher.lock if controller.publisher is not None else asyncio.Lock()
     gate = EngineGateController(engines, GateSettings(t.deployment, t.pause_mode, t.retry_after_s), lock)

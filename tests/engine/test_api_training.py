@@ -161,8 +161,8 @@ async def test_jobs_are_submitted_shown_published_refused_and_resolved(
             return body if e["state"] == "serving" and e["serving_version"] == load_id else None
         engines = await until(engine_serving, what="the engine row to show the committed version")
         e0 = engines["engines"][0]
-        assert (e0["id"], e0["deployment"], e0["paused"], e0["health"]) == ("e0", DEP, False, "ok"), e0
-        assert (await call("GET", f"{base}/v1/publications/{load_id}"))[1]["served_by"] == ["e0"]
+        assert (e0["id"], e0["deployment"], e0["paused"], e0["health"]) == (f"{DEP}/e0", DEP, False, "ok"), e0
+        assert (await call("GET", f"{base}/v1/publications/{load_id}"))[1]["served_by"] == [f"{DEP}/e0"]
 
         # A COMPLETE job can be neither rejected nor resolved; an unknown one is not found.
         status, body = await call("POST", f"{base}/v1/jobs/{first}/reject", headers=AUTH, json={"reason": "bad"})
@@ -358,6 +358,6 @@ async def test_bad_bodies_tokens_queries_and_closed_jobs_are_refused_and_change_
             assert (status, reply["error"]["code"]) == (503, "training_disabled"), (path, reply)
         status, listed = await call("GET", f"{base}/v1/jobs")
         assert status == 200 and [j["id"] for j in listed["jobs"]] == [long, closed]
-        assert (await call("GET", f"{base}/v1/engines"))[1]["engines"][0]["id"] == "e0"
+        assert (await call("GET", f"{base}/v1/engines"))[1]["engines"][0]["id"] == f"{DEP}/e0"
         assert (await call("GET", f"{base}/v1/publications"))[1] == {"publications": [], "next_before": None}
         assert await job_events(journal_url) == before

@@ -110,10 +110,10 @@ async def test_jobs_are_submitted_listed_shown_refused_and_resolved_from_the_com
     assert re.search(rf"^{incarnation}:0 +committed .*\(initial weights\)$", pubs[1], re.M), pubs[1]
     assert pub[0] == 0 and pub[1].splitlines() == [
         f"version {load_id}: committed", f"  job         {first} COMPLETE",
-        f"  weights     {done['publication']['weights_path']}", "  served by   e0"], pub
+        f"  weights     {done['publication']['weights_path']}", f"  served by   {DEP}/e0"], pub
     assert engines[0] == 0, engines
     e0 = json.loads(engines[1])[0]
-    assert (e0["id"], e0["state"], e0["serving_version"], e0["paused"]) == ("e0", "serving", load_id, False)
+    assert (e0["id"], e0["state"], e0["serving_version"], e0["paused"]) == (f"{DEP}/e0", "serving", load_id, False)
     assert refused[0] == 2 and "tidelog jobs: POST /v1/jobs/" in refused[2] and "HTTP 409 job_state" in refused[2]
     assert "COMPLETE" in refused[2] and len(refused[2].splitlines()) == 1, refused
     assert wrong[0] == 2 and "HTTP 401 unauthorized" in wrong[2], wrong

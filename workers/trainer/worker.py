@@ -104,6 +104,9 @@ class Trainer:
         self.step = 0
         self.last_job_id: str | None = None
         self.prepared: WeightsTarget | None = None
+        #: The job whose step began and did not finish (it raised part-way): the weights may hold
+        #: part of it. Cleared by a finished step or a loaded checkpoint.
+        self.in_doubt: str | None = None
 
     # -- training ---------------------------------------------------------------------
 
@@ -122,6 +125,7 @@ class Trainer:
         if self._state_dir is not None:
             write_step_record(self._state_dir, self.step + 1, parsed.job_id, "started")
         self.model.train()
+        self.in_doubt = parsed.job_id
         with _deterministic(self.device):
             self.optimizer.zero_grad(set_to_none=True)
             loss = reinforce_loss(self.model, batch)
@@ -131,6 +135,7 @@ class Trainer:
             self.optimizer.step()
         self.step += 1
         self.last_job_id = parsed.job_id
+        self.in_doubt = None
         if self._state_dir is not None:
             write_step_record(self._state_dir, self.step, parsed.job_id, "applied")
         return {
@@ -177,6 +182,7 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = info.step
         self.last_job_id = info.job_id
+        self.in_doubt = None
         if self._state_dir is not None:
             write_step_record(self._state_dir, info.step, info.job_id, "loaded")
         return info.as_dict()
@@ -184,13 +190,14 @@ class Trainer:
     def declare_initial(self) -> dict[str, Any]:
         """Say durably that this trainer holds its initial weights: no job's step is in them.
 
-        Only a trainer at step 0 that never loaded a checkpoint may say so. The step record
-        becomes ``loaded`` at step 0 for job ``initial`` (no job id is ``initial``: ids are
-        SHA-256 hex), so a record a dead trainer process left behind, naming a job whose step
+        Only a trainer at step 0 that never loaded a checkpoint and never began a step may say
+        so. The step record becomes ``loaded`` at step 0 for job ``initial`` (no job id is
+        ``initial``: ids are SHA-256 hex), so a record a dead trainer process left behind, naming a job whose step
         died with that process's memory, no longer reads as that job's step being held here.
         """
-        if self.step != 0 or self.last_job_id is not None:
-            raise TrainerStateError(f"this trainer is at step {self.step} (job {self.last_job_id!r}): "
+        if self.step != 0 or self.last_job_id is not None or self.in_doubt is not None:
+            doubt = f", and job {self.in_doubt!r}'s step began and did not finish" if self.in_doubt else ""
+            raise TrainerStateError(f"this trainer is at step {self.step} (job {self.last_job_id!r}){doubt}: "
                                     f"its weights are not the initial ones")
         record = None
         if self._state_dir is not None:
@@ -238,6 +245,7 @@ class Trainer:
             "device": str(self.device),
             "step": self.step,
             "last_job_id": self.last_job_id,
+            "in_doubt": self.in_doubt,
             "prepared_version": self.prepared.version if self.prepared else None,
             "step_record": record.as_dict() if record else None,
         }

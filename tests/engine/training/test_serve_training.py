@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -16,10 +17,10 @@ import pytest
 import sqlalchemy as sa
 
 from engine.config import ConfigError, Settings, load
-from engine.controllers.engine_gate import EngineGateController, GateSettings, sync_engines
+from engine.controllers.engine_gate import EngineGateController, GateSettings, engine_id, sync_engines
 from engine.service import Orchestrator
-from engine.training import submit_job
-from engine.training.trainer_host import TrainerHost
+from engine.training import resolve_job, submit_job
+from engine.training.trainer_host import TrainerHost, TrainerUnavailable
 from journal import Journal, models
 from tests.support.training import job_row, payload, submit, until_state
 from tests.workers.inference.engines import EngineProc
@@ -181,7 +182,8 @@ async def test_an_uncommitted_candidate_keeps_every_engine_paused(journal_url: s
     finally:
         await journal.dispose()
     engines = adapters(engine_procs)
-    gate = EngineGateController({f"e{i}": e for i, e in enumerate(engines)}, GateSettings("dep", retry_after_s=0.2),
+    gate = EngineGateController({engine_id("dep", f"e{i}"): e for i, e in enumerate(engines)},
+                                GateSettings("dep", retry_after_s=0.2),
                                 asyncio.Lock())
     settings = Settings.model_validate({"journal": {"url": journal_url}, "logging": {"level": "WARNING"},
                                         "orchestrator": {"lease_ttl_s": 5, "lease_renew_s": 1,
@@ -212,23 +214,37 @@ def _trainer_executor(state_dir: Path) -> Executor:
         WorkerSpec(Trainer, kwargs={"seed": 0, "state_dir": str(state_dir)}),)))
 
 
-def test_the_host_builds_a_fresh_executor_after_its_trainer_dies(tmp_path: Path) -> None:
+def test_the_host_starts_a_fresh_trainer_only_when_asked(tmp_path: Path) -> None:
     host = TrainerHost(lambda: _trainer_executor(tmp_path / "trainer"))
     try:
+        with pytest.raises(TrainerUnavailable, match="not started"):
+            host.rpc(0, "health")
+        assert host.ensure() is True and host.ensure() is False and host.generation == 1
         first = host.rpc(0, "health")
-        assert host.generation == 1
         os.kill(first["pid"], signal.SIGKILL)
-        with pytest.raises(Exception):  # noqa: B017 - the executor's own failure, whichever call meets it
-            for _ in range(100):
+        # Calls to the dead trainer fail (the executor's own failure, then TrainerUnavailable); none
+        # starts another one behind the caller's back.
+        with pytest.raises(Exception):  # noqa: B017 - whichever failure the call meets first
+            for _ in range(200):
                 host.rpc(0, "health", timeout=5)
-                import time
                 time.sleep(0.05)
+        with pytest.raises(TrainerUnavailable):
+            host.rpc(0, "health")
+        assert host.generation == 1
+        assert host.ensure() is True
         second = host.rpc(0, "health")
         assert host.generation == 2 and second["pid"] != first["pid"] and second["step"] == 0
+        # A leader that lost its lease releases its trainer: the process stops; a sync point starts another.
+        host.release()
+        with pytest.raises(TrainerUnavailable):
+            host.rpc(0, "health")
+        with pytest.raises(ProcessLookupError):
+            os.kill(second["pid"], 0)
+        assert host.ensure() is True and host.rpc(0, "health")["pid"] != second["pid"] and host.generation == 3
     finally:
         host.shutdown()
-    with pytest.raises(RuntimeError, match="shut down"):
-        host.rpc(0, "health")
+    with pytest.raises(TrainerUnavailable, match="shut down"):
+        host.ensure()
 
 
 async def test_a_restarted_trainer_continues_from_the_latest_checkpoint(journal_url: str, tmp_path: Path,
@@ -259,3 +275,34 @@ async def test_a_restarted_trainer_continues_from_the_latest_checkpoint(journal_
     digest = await asyncio.to_thread(orch.training.host.rpc, 0, "weights_digest")
     assert digest == reference.weights_digest()
     assert (await job_row(orch.journal, second))["metrics"]["step"] == 2
+
+
+async def test_a_step_no_kept_job_accounts_for_is_dropped_by_a_fresh_trainer(journal_url: str, tmp_path: Path,
+                                                                            engine_procs: list[EngineProc],
+                                                                            initial_dir: Path,
+                                                                            orchestrators: list[Orchestrator]
+                                                                            ) -> None:
+    """A job whose step ran but whose checkpoint cannot be written is abandoned by an operator: the
+    next job must not train on top of that step (the deployment has no kept step, so the trainer is
+    started again and declares its initial weights)."""
+    settings = training_settings(journal_url, tmp_path, engine_procs, initial_dir, executor="mp")
+    (tmp_path / "checkpoints").write_text("a file where the checkpoint directory should be")  # a real fault
+    orch = Orchestrator(settings, with_discovery=False)
+    orchestrators.append(orch)
+    await leading(orch)
+    assert orch.training is not None
+    bad = await submit(orch.journal, payload(0), deployment="dep")
+    row = await until_state(orch.journal, bad, "AMBIGUOUS")
+    held = await asyncio.to_thread(orch.training.host.rpc, 0, "health")
+    assert held["last_job_id"] == bad and held["step"] == 1 and "checkpoint failed" in str(row["ambiguity"])
+    async with orch.journal.write() as tx:
+        await resolve_job(tx, bad, "abandon", reason="its checkpoint cannot be written")
+    (tmp_path / "checkpoints").unlink()
+    good = await submit(orch.journal, payload(1), deployment="dep")
+    done = await until_state(orch.journal, good, "COMPLETE")
+    health = await asyncio.to_thread(orch.training.host.rpc, 0, "health")
+    assert health["pid"] != held["pid"] and health["step"] == 1 and done["metrics"]["step"] == 1
+    assert done["trainer_step"] == 0
+    reference = Trainer(seed=0)
+    reference.train({**payload(1), "job_id": good})
+    assert await asyncio.to_thread(orch.training.host.rpc, 0, "weights_digest") == reference.weights_digest()

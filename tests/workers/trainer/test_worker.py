@@ -131,6 +131,36 @@ def test_a_step_that_dies_midway_leaves_a_started_record(tmp_path: Path, monkeyp
     record = read_step_record(tmp_path)
     assert record is not None and (record.step, record.job_id, record.phase) == (1, "j1", "started")
     assert trainer.step == 0 and trainer.last_job_id is None
+    # The weights may hold part of j1's step: the trainer says so, and will not call them initial.
+    assert trainer.health()["in_doubt"] == "j1"
+    with pytest.raises(TrainerStateError, match="'j1'.s step began and did not finish"):
+        trainer.declare_initial()
+    assert read_step_record(tmp_path) == record  # the evidence is left as it was
+
+
+def test_declare_initial_names_no_job_and_only_on_initial_weights(tmp_path: Path) -> None:
+    fresh = Trainer(state_dir=str(tmp_path / "a"))
+    assert fresh.declare_initial()["step"] == 0
+    record = read_step_record(tmp_path / "a")
+    assert record is not None and (record.step, record.job_id, record.phase) == (0, "initial", "loaded")
+    fresh.train(make_job("j1"))
+    with pytest.raises(TrainerStateError, match="step 1"):
+        fresh.declare_initial()
+    # A loaded checkpoint replaces weights that were in doubt.
+    path = str(tmp_path / "j1.ckpt")
+    fresh.save_checkpoint(path, "j1")
+    other = Trainer(state_dir=str(tmp_path / "b"))
+
+    def crash(*args: Any, **kwargs: Any) -> None:  # fault injection, as above
+        raise RuntimeError("device lost")
+
+    real = other.optimizer.step
+    other.optimizer.step = crash  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError):
+        other.train(make_job("j2"))
+    other.optimizer.step = real  # type: ignore[method-assign]
+    other.load_checkpoint(path)
+    assert other.health()["in_doubt"] is None and other.health()["last_job_id"] == "j1"
 
 
 def test_health_reports_the_rank_state() -> None:
