@@ -9,7 +9,7 @@ CONFIG ?= config.example.yaml
 $(VENV)/.installed-run: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e .
+	$(PY) -m pip install --quiet -e '.[train]'
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml
@@ -18,9 +18,10 @@ $(VENV)/.installed-test: pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $@ $(VENV)/.installed-run
 
-# The first main job: reference participants, a checkpoint mid-episode, SIGKILL, restore, finish.
+# The main jobs: a checkpoint mid-episode, SIGKILL, restore, finish; then an RL loop through crashes.
 run: $(VENV)/.installed-run
 	$(VENV)/bin/tidelog demo --workdir demo-run
+	$(VENV)/bin/tidelog demo-train --workdir demo-train-run
 
 serve: $(VENV)/.installed-run
 	$(VENV)/bin/tidelog --config $(CONFIG) migrate
@@ -37,4 +38,4 @@ bench: $(VENV)/.installed-test
 	$(PY) bench/journal_throughput.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache tidelog.db tidelog.db-wal tidelog.db-shm demo-run
+	rm -rf $(VENV) .pytest_cache .mypy_cache tidelog.db tidelog.db-wal tidelog.db-shm demo-run demo-train-run

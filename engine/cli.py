@@ -82,6 +82,10 @@ def _parser() -> argparse.ArgumentParser:
     add_training_commands(sub)
     d = sub.add_parser("demo", help="checkpoint reference participants mid-episode, SIGKILL them, restore, finish")
     demo_arguments(d)
+    from .demo_training import arguments as train_demo_arguments  # argparse only: no torch imported
+    t = sub.add_parser("demo-train", help="an RL loop through crashes: rollouts score a batch, one training step, "
+                                          "weights published behind the commit gate, the reward rising")
+    train_demo_arguments(t)
     return p
 
 
@@ -93,6 +97,11 @@ def demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--episodes", type=int, default=6, help="episodes in flight (default 6)")
     p.add_argument("--turns", type=int, default=4, help="turns per episode (default 4)")
     p.add_argument("--step-delay", type=float, default=0.3, help="seconds each environment step takes (default 0.3)")
+
+
+def _demo_train(_settings: Settings, args: argparse.Namespace) -> int:
+    from . import demo_training
+    return demo_training.run_demo(args)
 
 
 def _demo(settings: Settings, args: argparse.Namespace) -> int:
@@ -120,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     logs.setup(settings.logging.level, settings.logging.format)
     handlers = {"serve": _serve, "migrate": _migrate, "status": _status, "events": _events, "verify": _verify,
                 "replay": _replay, "checkpoint": _checkpoint, "restore": _restore, "retire": _retire,
-                "forget": _forget, "demo": _demo, **TRAINING_HANDLERS}
+                "forget": _forget, "demo": _demo, "demo-train": _demo_train, **TRAINING_HANDLERS}
     try:
         return handlers[args.command](settings, args)
     except ApiFailure as exc:

@@ -207,7 +207,8 @@ TRAINING_JOBS = StateMachine.build(
     edges={
         # FAILED: the trainer refused the job before any step (the step record does not name it).
         # AMBIGUOUS: found RUNNING after a crash, or train failed, without durable evidence either way.
-        "RUNNING": ["CHECKPOINT", "AMBIGUOUS", "FAILED"],
+        # Self-edge: the trainer could not be made ready before train was called (said in detail).
+        "RUNNING": ["RUNNING", "CHECKPOINT", "AMBIGUOUS", "FAILED"],
         # Settled from evidence (a verified checkpoint carrying the job id: CHECKPOINT; the step
         # record proving the step never ran: RUNNING again), or by an operator (also FAILED).
         # Self-edge: what is known changed, still not enough to decide.

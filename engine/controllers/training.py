@@ -144,9 +144,13 @@ class TrainingController:
             try:
                 health = await self._sync_trainer(ctx, row)
             except Exception as exc:  # noqa: BLE001 - train was not called: the job stays RUNNING, ours to train
+                why = f"the trainer is not ready ({type(exc).__name__}: {exc}); train not called, trying again"
+                log.warning("training job %s: %s", job_id[:12], why)
                 self._recorded[job_id] = row.version
-                log.warning("training job %s: the trainer is not ready (%s: %s); trying again", job_id[:12],
-                            type(exc).__name__, exc)
+                if row["detail"] != why:
+                    # Said in the journal (the commit listener notes the new version as ours to train).
+                    await ctx.apply(Transition(KIND, row.id, "RUNNING", row.version, "RUNNING", why[:200],
+                                               {"detail": why}))
                 return Result(requeue_after=self.settings.retry_after_s)
             return await self._train(ctx, row, health)
         return await self._settle(ctx, row)
@@ -256,7 +260,7 @@ class TrainingController:
                 return Result()
             await ctx.apply(Transition(KIND, row.id, "RUNNING", row.version, "CHECKPOINT",
                                        f"step {info['step']} trained and its checkpoint verified",
-                                       {"checkpoint_path": path, "metrics": metrics, **before}))
+                                       {"checkpoint_path": path, "metrics": metrics, "detail": None, **before}))
         finally:
             self._busy.discard(row.id)
         return Result()

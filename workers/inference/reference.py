@@ -23,7 +23,8 @@ bodies and status codes as SGLang for the routes Tidelog uses:
 - ``GET|POST /release_memory_occupation``, ``/resume_memory_occupation {tags?}``: 200 ``null``,
   or 400 ``{"error": {"message"}}``.
 - ``POST /generate {text | input_ids, sampling_params, rid?}``: ``{text, output_ids, meta_info}``
-  (greedy, one prompt, non-streaming).
+  (one prompt, non-streaming). Greedy unless ``sampling_params.temperature`` > 0 (absent means
+  greedy here, not SGLang's 1.0); then sampled, reproducibly with ``sampling_params.sampling_seed``.
 - ``GET|POST /slow_down {forward_sleep_time}``: seconds added to each decoding step (testing).
 
 A body that fails validation gets SGLang's 400 ``{"object": "error", "message", "type",
@@ -32,8 +33,15 @@ A body that fails validation gets SGLang's 400 ``{"object": "error", "message", 
 Test-only fault injection: with ``--enable-test-faults``, ``POST /_test/fail_next {path,
 mode, seconds?}`` makes the next request to ``path`` fail: ``error`` answers 500, ``refuse``
 answers 200 ``{"success": false}``, ``hang`` sleeps ``seconds`` (default 30) and then answers
-500 — all without acting. A real engine cannot be made to fail on demand on a CPU; without
-the flag the route does not exist.
+500 — all without acting. ``POST /_test/die_next {path}`` makes the process SIGKILL itself when
+the next request to ``path`` arrives, *before* the route acts (nothing is applied, no answer is
+sent: the caller sees the connection drop), so a crash harness can kill an engine at one phase of
+a publication. ``GET /_test/history`` answers ``{"history": [[event, weight_version], ...]}``:
+every ``pause``, ``continue``, ``load`` (``/update_weights_from_disk``) and ``label``
+(``/update_weight_version``) this process answered with a status below 400 since it started,
+with the weight version it served right after — so a test can check that generation was only
+ever continued on a committed version. A real engine cannot be made to fail (or die) on demand on
+a CPU; without the flag none of these routes exists.
 """
 
 from __future__ import annotations
@@ -41,6 +49,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+import signal
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -58,6 +68,12 @@ INITIAL_VERSION = "initial"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 STATE: web.AppKey[ReferenceEngineState] = web.AppKey("state", ReferenceEngineState)
 FAULTS: web.AppKey[dict[str, tuple[str, float]]] = web.AppKey("faults", dict)
+#: Test faults only: the routes whose next request kills the process, and the event history.
+DIE_NEXT: web.AppKey[set[str]] = web.AppKey("die_next", set)
+HISTORY: web.AppKey[list[tuple[str, str]]] = web.AppKey("history", list)
+#: The routes /_test/history records, by the event name it gives them.
+HISTORY_EVENTS = {"/pause_generation": "pause", "/continue_generation": "continue",
+                  "/update_weights_from_disk": "load", "/update_weight_version": "label"}
 
 log = logging.getLogger("tidelog.inference.reference")
 
@@ -101,10 +117,15 @@ class WeightVersionBody(_Body):
 
 
 class SamplingParams(BaseModel):
-    # Every SGLang sampling parameter is accepted; decoding is greedy whatever they say.
+    # Every SGLang sampling parameter is accepted; only these three act (top_k, top_p, ... are ignored).
     model_config = ConfigDict(extra="ignore")
     max_new_tokens: int = Field(default=128, ge=0, le=4096)
-    temperature: float = Field(default=1.0, ge=0)
+    #: Absent or 0: greedy (unlike SGLang, whose default is 1.0, so that existing callers keep greedy
+    #: decoding); > 0: each token is drawn from ``softmax(logits / temperature)``.
+    temperature: float | None = Field(default=None, ge=0, le=100)
+    #: SGLang's per-request seed: with a temperature > 0, the same seed, prompt and weights always
+    #: draw the same tokens. Absent: a fresh random seed.
+    sampling_seed: int | None = Field(default=None, ge=0, lt=2**63)
 
 
 class GenerateBody(BaseModel):
@@ -118,6 +139,10 @@ class GenerateBody(BaseModel):
 
 class SlowDownBody(_Body):
     forward_sleep_time: float | None = Field(default=None, ge=0)
+
+
+class DieNextBody(_Body):
+    path: str = Field(pattern=r"^/[a-z_]+$")
 
 
 class FailNextBody(_Body):
@@ -157,9 +182,17 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 
 @web.middleware
 async def _faults(request: web.Request, handler: Handler) -> web.StreamResponse:
+    if request.path in request.app[DIE_NEXT]:
+        # Before the route acts: the request is not applied and never answered.
+        log.warning("dying (SIGKILL) on %s, as armed by /_test/die_next", request.path)
+        os.kill(os.getpid(), signal.SIGKILL)
     armed = request.app[FAULTS].pop(request.path, None)
     if armed is None:
-        return await handler(request)
+        response = await handler(request)
+        event = HISTORY_EVENTS.get(request.path)
+        if event is not None and response.status < 400:
+            request.app[HISTORY].append((event, request.app[STATE].weight_version))
+        return response
     mode, seconds = armed
     log.warning("injecting a %s fault into %s", mode, request.path)
     if mode == "refuse":
@@ -177,6 +210,8 @@ def build_app(state: ReferenceEngineState, *, health_timeout: float = 20.0,
     faults: dict[str, tuple[str, float]] = {}
     app[STATE] = state
     app[FAULTS] = faults
+    app[DIE_NEXT] = set()
+    app[HISTORY] = []
 
     async def health(request: web.Request) -> web.Response:
         return web.Response(status=200 if await state.health_generate(health_timeout) else 503)
@@ -246,8 +281,9 @@ def build_app(state: ReferenceEngineState, *, health_timeout: float = 20.0,
             raise ServingError(400, "stream: the reference engine answers non-streaming requests only")
         if (body.text is None) == (body.input_ids is None):
             raise ServingError(400, "exactly one of text and input_ids must be given")
-        out = await state.generate(body.text, body.input_ids, body.sampling_params.max_new_tokens,
-                                   rid=body.rid)
+        sp = body.sampling_params
+        out = await state.generate(body.text, body.input_ids, sp.max_new_tokens, rid=body.rid,
+                                   temperature=sp.temperature or 0.0, seed=sp.sampling_seed)
         return _json(out)
 
     async def slow_down(request: web.Request) -> web.Response:
@@ -258,6 +294,14 @@ def build_app(state: ReferenceEngineState, *, health_timeout: float = 20.0,
         body = await _parse(request, FailNextBody)
         faults[body.path] = (body.mode, body.seconds)
         return _json({"armed": body.path, "mode": body.mode})
+
+    async def die_next(request: web.Request) -> web.Response:
+        body = await _parse(request, DieNextBody)
+        request.app[DIE_NEXT].add(body.path)
+        return _json({"armed": body.path, "mode": "die"})
+
+    async def history(request: web.Request) -> web.Response:
+        return _json({"history": [list(entry) for entry in request.app[HISTORY]]})
 
     r = app.router
     for path in ("/health", "/health_generate"):
@@ -277,6 +321,8 @@ def build_app(state: ReferenceEngineState, *, health_timeout: float = 20.0,
         r.add_post(path, handler)
     if test_faults:
         r.add_post("/_test/fail_next", fail_next)
+        r.add_post("/_test/die_next", die_next)
+        r.add_get("/_test/history", history)
     return app
 
 
@@ -304,7 +350,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--health-check-timeout", type=float, default=20.0,
                    help="seconds /health_generate waits for its 1-token request (default 20)")
     p.add_argument("--enable-test-faults", action="store_true",
-                   help="TEST ONLY: add POST /_test/fail_next to inject one failure into a route")
+                   help="TEST ONLY: add POST /_test/fail_next and /_test/die_next to inject one "
+                        "failure (or a SIGKILL) into a route, and GET /_test/history")
     return p
 
 

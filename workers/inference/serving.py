@@ -14,6 +14,9 @@ between ``await`` points only. It models the parts of an SGLang server that the 
   ``abort`` finishes them (and every waiting one) with ``finish_reason {"type": "abort"}``;
   ``retract`` moves them back to waiting, so the cache can be flushed and memory released;
   ``in_place`` keeps them running where they are (flush and release then fail with 400).
+- **Decoding.** Greedy by default; with a temperature > 0, each token is drawn from the
+  softmax of the captured logits over the temperature, by the request's own generator (seeded by
+  ``sampling_seed``, so a request sent again draws the same tokens on the same weights).
 - **Weights.** :meth:`update_weights` loads a weights directory with
   :func:`~workers.policy.load_weights`; a bad directory is refused and the old weights stay.
   Unpaused, the update waits for running requests to finish and holds new ones back (SGLang's
@@ -62,6 +65,9 @@ class Request:
     aborted: bool = False
     cached_tokens: int = 0
     created: float = field(default_factory=time.monotonic)
+    #: 0: greedy; > 0: sampled from ``softmax(logits / temperature)`` with ``generator``.
+    temperature: float = 0.0
+    generator: torch.Generator | None = None
 
 
 class ReferenceEngineState:
@@ -111,12 +117,19 @@ class ReferenceEngineState:
                 "cached_prompts": len(self._prefix_cache)}
 
     def _graph_table(self) -> torch.Tensor:
-        """The captured next-token table, captured now if the weights changed since."""
+        """The captured next-token logits (``vocab x vocab``), captured now if the weights changed since."""
         if self._graph is None:
             assert self.model is not None, "generation runs only with the weights resident"
             with torch.no_grad():
-                self._graph = self.model(torch.arange(self.vocab)).argmax(-1)
+                self._graph = self.model(torch.arange(self.vocab)).float()
         return self._graph
+
+    def _next_token(self, req: Request, last: int) -> int:
+        logits = self._graph_table()[last]
+        if req.temperature <= 0:
+            return int(logits.argmax())
+        probs = torch.softmax(logits / req.temperature, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=req.generator).item())
 
     # -- generation ------------------------------------------------------------------------
 
@@ -126,8 +139,11 @@ class ReferenceEngineState:
             await self._changed.wait_for(lambda: req.aborted or ready())
 
     async def generate(self, prompt_text: str | None, input_ids: list[int] | None,
-                       max_new_tokens: int, rid: str | None = None) -> dict[str, Any]:
-        """Greedy generation; returns SGLang's ``{text, output_ids, meta_info}``."""
+                       max_new_tokens: int, rid: str | None = None, *, temperature: float = 0.0,
+                       seed: int | None = None) -> dict[str, Any]:
+        """Greedy generation (``temperature`` 0), else sampled — reproducibly when ``seed`` is given:
+        the same seed, prompt and weights draw the same tokens. Returns SGLang's ``{text, output_ids,
+        meta_info}``."""
         prompt = list(input_ids) if input_ids is not None else encode(prompt_text or "")
         if not prompt:
             raise ServingError(400, "the prompt must hold at least one token")
@@ -136,7 +152,13 @@ class ReferenceEngineState:
         rid = rid or f"{next(self._rids):08x}"
         if rid in self.requests:
             raise ServingError(400, f"rid {rid!r} is already in flight")
-        req = Request(rid, prompt, max_new_tokens)
+        req = Request(rid, prompt, max_new_tokens, temperature=temperature)
+        if temperature > 0:
+            req.generator = torch.Generator()
+            if seed is None:
+                req.generator.seed()
+            else:
+                req.generator.manual_seed(seed)
         self.requests[rid] = req
         try:
             await self._run(req)
@@ -181,7 +203,7 @@ class ReferenceEngineState:
                 if req.aborted or not self._can_step():
                     continue  # a pause came during the step: it takes effect before the token
             last = (req.prompt + req.output)[-1]
-            req.output.append(int(self._graph_table()[last]))
+            req.output.append(self._next_token(req, last))
             if len(req.output) % 32 == 0:
                 await asyncio.sleep(0)  # let other requests and admin calls in
 

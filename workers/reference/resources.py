@@ -4,11 +4,17 @@
   and answers ``{"session_id"}``, its headers saying the verify mode (and the restart
   header in ``restart_only`` mode);
 - ``POST /ng-rollout/<capture key>/check`` with ``{"session_id", "action"}`` checks one
-  action (:func:`check_ok`, deterministic), keeps it in the session, answers ``{"ok"}``;
+  action (the ``--task`` rule, deterministic), keeps it in the session, answers ``{"ok"}``;
 - ``POST /ng-rollout/<capture key>/verify`` with ``{"session_id", "actions"}`` answers
   ``{"reward"}``, the fraction of the session's checks that passed (``actions`` must be
   the actions it checked), and ends the session;
 - ``POST /ng-rollout/<capture key>/close_session`` with ``{"session_id"}`` ends it.
+
+``--task`` is the rule a check applies (:func:`checker`): ``hex`` (the default,
+:func:`check_ok`: the action's first byte, two hex digits, is not a multiple of 3 — for the
+digest actions of the model's default mode) or ``letter:<c>[:<n>]`` (the action holds the
+letter ``c`` at least ``n`` times, default once — a rule a policy generating text can learn:
+the RL demo, ``engine/demo_training.py``).
 
 ``--mode exported`` (the default here, so episodes are checkpointable mid-episode; the
 kind's own default stays ``restart_only``) exports each session's state
@@ -28,7 +34,7 @@ from __future__ import annotations
 import argparse
 import copy
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -47,6 +53,20 @@ def check_ok(action: str) -> bool:
         return int(action[:2], 16) % 3 != 0
     except ValueError:
         raise ProtocolError(ErrorCode.INVALID_REQUEST, f"action {action[:40]!r} is not hex") from None
+
+
+def checker(task: str) -> Callable[[str], bool]:
+    """The check of ``--task``: ``hex`` (:func:`check_ok`) or ``letter:<c>[:<n>]`` (see the module docs)."""
+    if task == "hex":
+        return check_ok
+    kind, _, rest = task.partition(":")
+    letter, _, count = rest.partition(":")
+    if kind != "letter" or len(letter) != 1 or not "a" <= letter <= "z" or (count and not count.isdigit()):
+        raise SystemExit(f"--task must be hex or letter:<a-z>[:<count>], not {task!r}")
+    least = int(count) if count else 1
+    if least < 1:
+        raise SystemExit(f"--task {task!r}: the count must be >= 1")
+    return lambda action: action.lower().count(letter) >= least
 
 
 def _is_state(value: Any) -> bool:
@@ -113,6 +133,7 @@ def _field(body: dict[str, Any], name: str) -> str:
 
 def build_app(args: argparse.Namespace, token: str) -> web.Application:
     store = SessionStates()
+    rule = checker(args.task)
     res = ReferenceResources(args.instance, store, mode=args.mode, verify_mode=args.verify_mode)
     app = _common.build(res, args, token)
 
@@ -141,7 +162,7 @@ def build_app(args: argparse.Namespace, token: str) -> web.Application:
         sid, action = _field(body, "session_id"), _field(body, "action")
         async with res.request(episode, "data", session_id=sid):
             state = state_of(sid)
-            ok = check_ok(action)
+            ok = rule(action)
             state["checks"].append({"action": action, "ok": ok})
             n = len(state["checks"])
         res.executions.count(episode.capture_key, f"check-{n}")
@@ -184,6 +205,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                    help="exported (default: sessions are checkpointed) or restart_only")
     p.add_argument("--verify-mode", choices=("wait", "replay"), default="wait",
                    help="how the environment runs /verify: wait (default) or replay")
+    p.add_argument("--task", default="hex",
+                   help="the rule a check applies: hex (default: the first byte of a hex action is not a "
+                        "multiple of 3) or letter:<c>[:<n>] (the action holds the letter c at least n times)")
     _common.main(argv, build_app, p)
 
 

@@ -306,3 +306,31 @@ async def test_a_step_no_kept_job_accounts_for_is_dropped_by_a_fresh_trainer(jou
     reference = Trainer(seed=0)
     reference.train({**payload(1), "job_id": good})
     assert await asyncio.to_thread(orch.training.host.rpc, 0, "weights_digest") == reference.weights_digest()
+
+
+async def test_a_trainer_that_cannot_be_made_ready_is_said_and_train_waits(journal_url: str, tmp_path: Path,
+                                                                          engine_procs: list[EngineProc],
+                                                                          initial_dir: Path,
+                                                                          orchestrators: list[Orchestrator]) -> None:
+    orch = Orchestrator(training_settings(journal_url, tmp_path, engine_procs, initial_dir, executor="mp"),
+                        with_discovery=False)
+    orchestrators.append(orch)
+    await leading(orch)
+    assert orch.training is not None
+    first = await submit(orch.journal, payload(0), deployment="dep")
+    kept = Path((await until_state(orch.journal, first, "COMPLETE"))["checkpoint_path"])
+    aside = tmp_path / "aside.ckpt"
+    kept.rename(aside)  # the latest checkpoint is gone (a real fault: a volume not mounted)...
+    health = await asyncio.to_thread(orch.training.host.rpc, 0, "health")
+    os.kill(health["pid"], signal.SIGKILL)  # ...and the trainer that held its step dies
+    second = await submit(orch.journal, payload(1), deployment="dep")
+    for _ in range(400):
+        row = await job_row(orch.journal, second)
+        if row["detail"]:
+            break
+        await asyncio.sleep(0.05)
+    assert row["state"] == "RUNNING" and "the trainer is not ready" in row["detail"], row
+    assert "train not called" in row["detail"]
+    aside.rename(kept)  # the volume is back: the fresh trainer loads the step, then trains on it
+    done = await until_state(orch.journal, second, "COMPLETE")
+    assert done["metrics"]["step"] == 2 and done["trainer_step"] == 1 and done["detail"] is None

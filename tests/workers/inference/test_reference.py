@@ -19,7 +19,7 @@ from workers.inference import (EngineCallError, EngineTimeoutError, EngineUncert
 from workers.inference.reference import load_state
 from workers.policy import Policy, decode, encode, save_weights
 
-from .engines import Recorded, Target, until
+from .engines import EngineProc, Recorded, Target, until
 
 
 @pytest.fixture(autouse=True)
@@ -265,3 +265,49 @@ def _armed_consumed(http: aiohttp.ClientSession, target: Target) -> Any:
         async with http.get(target.url + "/get_server_info") as resp:
             return "/release_memory_occupation" not in (await resp.json()).get("armed_faults", [])
     return check
+
+
+async def test_history_records_pauses_loads_labels_and_continues_with_the_version_served(
+        engine: SGLangEngine, target: Target, http: aiohttp.ClientSession) -> None:
+    # ``engine`` puts the target back on its initial weights first.
+    async with http.get(target.url + "/_test/history") as resp:
+        before = len((await resp.json())["history"])
+    assert (await post(http, target, "/pause_generation", {"mode": "abort"}))[0] == 200
+    assert (await post(http, target, "/update_weight_version",
+                       {"new_version": "label-1", "abort_all_requests": False}))[0] == 200
+    assert target.other_dir is not None
+    assert (await post(http, target, "/update_weights_from_disk",
+                       {"model_path": target.other_dir, "weight_version": "other"}))[0] == 200
+    # A load that fails (its directory does not exist) is not an event: nothing was loaded.
+    assert (await post(http, target, "/update_weights_from_disk",
+                       {"model_path": target.initial_dir + "-missing", "weight_version": "x"}))[0] == 400
+    await arm(http, target, "/continue_generation", "error")  # an injected failure acted on nothing
+    assert (await post(http, target, "/continue_generation", {}))[0] == 500
+    assert (await post(http, target, "/continue_generation", {}))[0] == 200
+    assert (await post(http, target, "/update_weights_from_disk",
+                       {"model_path": target.initial_dir, "weight_version": target.initial_version}))[0] == 200
+    async with http.get(target.url + "/_test/history") as resp:
+        history = (await resp.json())["history"][before:]
+    assert history == [["pause", "initial"], ["label", "label-1"], ["load", "other"], ["continue", "other"],
+                       ["load", "initial"]]
+
+
+async def test_die_next_kills_the_process_before_the_route_acts(tmp_path: Path) -> None:
+    """Its own process (the session's engine must live): armed on a route, the next request to it
+    gets no answer and the process ends by SIGKILL; a request to another route is answered."""
+    save_weights(Policy(seed=0), tmp_path / "initial", "initial")
+    proc = EngineProc(["--port", "0", "--model-dir", str(tmp_path / "initial"), "--enable-test-faults"],
+                      tmp_path / "engine.log").start()
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(proc.url + "/_test/die_next", json={"path": "/pause_generation"}) as resp:
+                assert resp.status == 200 and (await resp.json()) == {"armed": "/pause_generation", "mode": "die"}
+            async with http.post(proc.url + "/continue_generation", json={}) as resp:
+                assert resp.status == 200  # another route is not armed
+            with pytest.raises(aiohttp.ClientError):
+                async with http.post(proc.url + "/pause_generation", json={"mode": "abort"}) as resp:
+                    await resp.read()
+        assert proc.proc is not None and proc.proc.wait(10) == -9
+    finally:
+        proc.kill()
+    assert "dying (SIGKILL) on /pause_generation" in (tmp_path / "engine.log").read_text()
