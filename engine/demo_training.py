@@ -1,6 +1,6 @@
 """The RL demo: a real training loop on the CPU, through crashes, with every step applied once.
 
-    python -m engine.demo_training [--rounds 10] [--episodes 8] [--turns 3] [--workdir DIR]
+    tidelog demo-train [--rounds 10] [--episodes 8] [--turns 3] [--workdir DIR]
 
 Real processes on loopback: ``tidelog serve`` over a SQLite journal (or ``--journal-url``) with
 ``training`` enabled (an ``mp`` trainer: ``workers.trainer.worker.Trainer``, seed 0), one

@@ -36,11 +36,11 @@ answers 200 ``{"success": false}``, ``hang`` sleeps ``seconds`` (default 30) and
 500 — all without acting. ``POST /_test/die_next {path}`` makes the process SIGKILL itself when
 the next request to ``path`` arrives, *before* the route acts (nothing is applied, no answer is
 sent: the caller sees the connection drop), so a crash harness can kill an engine at one phase of
-a publication. ``GET /_test/history`` answers ``{"history": [[event, weight_version], ...]}``:
+a publication. ``GET /_test/history`` answers ``{"history": [[event, weight_version, at], ...]}``:
 every ``pause``, ``continue``, ``load`` (``/update_weights_from_disk``) and ``label``
 (``/update_weight_version``) this process answered with a status below 400 since it started,
-with the weight version it served right after — so a test can check that generation was only
-ever continued on a committed version. A real engine cannot be made to fail (or die) on demand on
+with the weight version it served right after and the Unix time it acted — so a test can check
+that generation was only ever continued on a version already committed. A real engine cannot be made to fail (or die) on demand on
 a CPU; without the flag none of these routes exists.
 """
 
@@ -51,6 +51,7 @@ import asyncio
 import logging
 import os
 import signal
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -70,7 +71,7 @@ STATE: web.AppKey[ReferenceEngineState] = web.AppKey("state", ReferenceEngineSta
 FAULTS: web.AppKey[dict[str, tuple[str, float]]] = web.AppKey("faults", dict)
 #: Test faults only: the routes whose next request kills the process, and the event history.
 DIE_NEXT: web.AppKey[set[str]] = web.AppKey("die_next", set)
-HISTORY: web.AppKey[list[tuple[str, str]]] = web.AppKey("history", list)
+HISTORY: web.AppKey[list[tuple[str, str, float]]] = web.AppKey("history", list)
 #: The routes /_test/history records, by the event name it gives them.
 HISTORY_EVENTS = {"/pause_generation": "pause", "/continue_generation": "continue",
                   "/update_weights_from_disk": "load", "/update_weight_version": "label"}
@@ -191,7 +192,7 @@ async def _faults(request: web.Request, handler: Handler) -> web.StreamResponse:
         response = await handler(request)
         event = HISTORY_EVENTS.get(request.path)
         if event is not None and response.status < 400:
-            request.app[HISTORY].append((event, request.app[STATE].weight_version))
+            request.app[HISTORY].append((event, request.app[STATE].weight_version, time.time()))
         return response
     mode, seconds = armed
     log.warning("injecting a %s fault into %s", mode, request.path)

@@ -8,6 +8,7 @@ with ``--enable-test-faults``); the failure then comes over real HTTP from the r
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -272,6 +273,7 @@ async def test_history_records_pauses_loads_labels_and_continues_with_the_versio
     # ``engine`` puts the target back on its initial weights first.
     async with http.get(target.url + "/_test/history") as resp:
         before = len((await resp.json())["history"])
+    started = time.time()
     assert (await post(http, target, "/pause_generation", {"mode": "abort"}))[0] == 200
     assert (await post(http, target, "/update_weight_version",
                        {"new_version": "label-1", "abort_all_requests": False}))[0] == 200
@@ -288,8 +290,10 @@ async def test_history_records_pauses_loads_labels_and_continues_with_the_versio
                        {"model_path": target.initial_dir, "weight_version": target.initial_version}))[0] == 200
     async with http.get(target.url + "/_test/history") as resp:
         history = (await resp.json())["history"][before:]
-    assert history == [["pause", "initial"], ["label", "label-1"], ["load", "other"], ["continue", "other"],
-                       ["load", "initial"]]
+    assert [entry[:2] for entry in history] == [["pause", "initial"], ["label", "label-1"], ["load", "other"],
+                                                ["continue", "other"], ["load", "initial"]]
+    times = [entry[2] for entry in history]
+    assert times == sorted(times) and started <= times[0] and times[-1] <= time.time()
 
 
 async def test_die_next_kills_the_process_before_the_route_acts(tmp_path: Path) -> None:
