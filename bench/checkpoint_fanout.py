@@ -71,7 +71,6 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -79,7 +78,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import asyncpg
 import orjson
 import sqlalchemy as sa
 import yaml
@@ -87,11 +85,12 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _databases import Database  # noqa: E402  (bench/, the script's folder)
 from engine.config import Settings  # noqa: E402
 from engine.controllers.checkpoint import STAGES, start_checkpoint  # noqa: E402
 from engine.leader import LEASE_NAME  # noqa: E402
 from engine.service import Orchestrator  # noqa: E402
-from journal import Committed, Create, Journal, lease, models, schema  # noqa: E402
+from journal import Committed, Create, Journal, lease, models  # noqa: E402
 from journal.writes import Row, to_row  # noqa: E402
 from workers.protocol import CONTROL_PREFIX, EpisodeId  # noqa: E402
 
@@ -313,40 +312,6 @@ class Peer:
             await self.fan(members, "resume", {"checkpoint_id": cid, "deadline_ts": deadline})
 
 
-# -- databases ----------------------------------------------------------------------------------
-
-def pg_admin_url() -> str:
-    return os.environ.get("TIDELOG_BENCH_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
-
-
-class Database:
-    """A fresh journal database of one backend; dropped (PostgreSQL) when closed."""
-
-    def __init__(self, backend: str, tmp: Path) -> None:
-        self.backend, self.tmp = backend, tmp
-        self.name = f"tidelog_fanout_{uuid.uuid4().hex[:10]}"
-
-    async def __aenter__(self) -> str:
-        if self.backend == "sqlite":
-            url = f"sqlite+aiosqlite:///{self.tmp / (self.name + '.db')}"
-        else:
-            conn = await asyncpg.connect(pg_admin_url())
-            try:
-                await conn.execute(f'CREATE DATABASE "{self.name}"')
-            finally:
-                await conn.close()
-            url = (sa.make_url(pg_admin_url()).set(drivername="postgresql+asyncpg", database=self.name)
-                   .render_as_string(hide_password=False))
-        await asyncio.to_thread(schema.upgrade, url)
-        return url
-
-    async def __aexit__(self, *_exc: Any) -> None:
-        if self.backend == "postgresql":
-            conn = await asyncpg.connect(pg_admin_url())
-            try:
-                await conn.execute(f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)')
-            finally:
-                await conn.close()
 
 
 def config(url: str, servers: Sequence[Server], directory: Path, **extra: Any) -> dict[str, Any]:
@@ -456,7 +421,7 @@ async def fanout(backend: str, tmp: Path, parts: Participants, peer: Peer, round
     kinds, expected = parts.kind_of(), expected_requests(parts.servers)
     ours: list[dict[str, Any]] = []
     theirs: list[dict[str, Any]] = []
-    async with Database(backend, tmp) as url:
+    async with Database(backend, tmp, "tidelog_fanout") as url:
         directory = tmp / f"ckpts-{backend}"
         cfg = config(url, parts.servers, directory, control={"token": TOKEN})
         orch = Orchestrator(Settings.model_validate(cfg))
@@ -590,7 +555,7 @@ async def first_request(parts: Participants, timeout: float = 60) -> list[Any]:
 
 async def recovery(backend: str, tmp: Path, parts: Participants, peer: Peer, rollouts: int) -> dict[str, Any]:
     cid = f"rec-{backend}"
-    async with Database(backend, tmp) as url:
+    async with Database(backend, tmp, "tidelog_fanout") as url:
         journal = Journal.open(url)
         try:
             started = time.perf_counter()

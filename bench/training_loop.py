@@ -57,24 +57,23 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 import sqlalchemy as sa
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _databases import Database  # noqa: E402  (bench/, the script's folder)
 from engine.config import Settings  # noqa: E402
 from engine.controllers.publication import PublicationSettings  # noqa: E402
 from engine.controllers.training import TrainingController, TrainingSettings  # noqa: E402
 from engine.service import Orchestrator  # noqa: E402
 from engine.training import job_identity, submit_job  # noqa: E402
-from journal import Committed, models, schema  # noqa: E402
+from journal import Committed, models  # noqa: E402
 from workers.executor import Executor, ExecutorConfig, WorkerSpec  # noqa: E402
 from workers.inference.sglang import SGLangConfig, SGLangEngine  # noqa: E402
 from workers.policy import Policy, encode, save_weights  # noqa: E402
@@ -190,40 +189,6 @@ class EngineFleet:
             proc.wait(10)
 
 
-# -- databases (as bench/checkpoint_fanout.py) --------------------------------------------------
-
-def pg_admin_url() -> str:
-    return os.environ.get("TIDELOG_BENCH_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
-
-
-class Database:
-    """A fresh journal database of one backend; dropped (PostgreSQL) when closed."""
-
-    def __init__(self, backend: str, tmp: Path) -> None:
-        self.backend, self.tmp = backend, tmp
-        self.name = f"tidelog_training_{uuid.uuid4().hex[:10]}"
-
-    async def __aenter__(self) -> str:
-        if self.backend == "sqlite":
-            url = f"sqlite+aiosqlite:///{self.tmp / (self.name + '.db')}"
-        else:
-            conn = await asyncpg.connect(pg_admin_url())
-            try:
-                await conn.execute(f'CREATE DATABASE "{self.name}"')
-            finally:
-                await conn.close()
-            url = (sa.make_url(pg_admin_url()).set(drivername="postgresql+asyncpg", database=self.name)
-                   .render_as_string(hide_password=False))
-        await asyncio.to_thread(schema.upgrade, url)
-        return url
-
-    async def __aexit__(self, *_exc: Any) -> None:
-        if self.backend == "postgresql":
-            conn = await asyncpg.connect(pg_admin_url())
-            try:
-                await conn.execute(f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)')
-            finally:
-                await conn.close()
 
 
 # -- the orchestrator and its commit stamps -----------------------------------------------------
@@ -324,7 +289,7 @@ async def steps(backend: str, tmp: Path, n: int) -> dict[str, Any]:
     ours: list[dict[str, float]] = []
     theirs: list[float] = []
     calls: dict[str, Counter[str]] = {"tidelog": Counter(), "peer": Counter()}
-    async with Database(backend, tmp) as url:
+    async with Database(backend, tmp, "tidelog_training") as url:
         ours_ranks = RecordingRanks(trainer(tmp / f"steps-{backend}-trainer"))
         peer_ranks = RecordingRanks(trainer(tmp / f"steps-{backend}-peer-trainer"))
         peer_dir = tmp / f"steps-{backend}-peer-checkpoints"
@@ -412,7 +377,7 @@ async def publication(backend: str, tmp: Path, n: int, urls: Sequence[str]) -> d
     requests: dict[str, Counter[str]] = {"tidelog": Counter(), "peer": Counter()}
     ours_engines = [CountingEngine(SGLangConfig(url=u)) for u in urls]
     peer_engines = [CountingEngine(SGLangConfig(url=u)) for u in urls]
-    async with Database(backend, tmp) as url:
+    async with Database(backend, tmp, "tidelog_training") as url:
         ours_ranks = RecordingRanks(trainer(tmp / f"pub-{backend}-trainer"))
         peer_ranks = RecordingRanks(trainer(tmp / f"pub-{backend}-peer-trainer"))
         peer_ckpts, peer_weights = tmp / f"pub-{backend}-peer-checkpoints", tmp / f"pub-{backend}-peer-weights"
