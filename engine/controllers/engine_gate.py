@@ -113,7 +113,11 @@ class EngineGateController:
         engine = self.engines.get(engine_id)
         if row is None or row.state == "retired" or engine is None or row["deployment"] != self.settings.deployment:
             return Result()
-        async with self.lock:
+        if self.lock.locked():
+            # A publication step holds the engines (a transfer may take minutes): come back later
+            # rather than hold one of the reconciler's slots waiting.
+            return Result(requeue_after=self.settings.retry_after_s)
+        async with self.lock:  # free: taken at once, no other coroutine runs in between
             return await self._gate(ctx, row, engine)
 
     async def _gate(self, ctx: Context, row: Row, engine: InferenceEngine) -> Result:
@@ -188,6 +192,11 @@ class EngineGateController:
 
     async def _record(self, ctx: Context, row: Row, state: str, changes: dict[str, Any]) -> None:
         """Move the row only when what it records changed (every resync looks again)."""
+        engine = self.engines.get(row.id)
+        if engine is not None:
+            # The adapter's acknowledged state of each memory region (resident or released).
+            changes = {**changes, "memory": {region: str(getattr(st, "value", st))
+                                             for region, st in sorted(engine.memory.items())}}
         if row.state == state and all(row[k] == v for k, v in changes.items()):
             return
         said = changes.get("detail") or f"serving {changes.get('serving_version')}"

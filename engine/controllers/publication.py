@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,13 +76,18 @@ class Publisher:
 
     STATES = ("CHECKPOINT", "UPDATING_WEIGHTS", "READY_TO_COMMIT", "HEAD_COMMITTED", "REJECTING")
 
-    def __init__(self, trainer: TrainerCall, engines: Sequence[InferenceEngine],
-                 settings: PublicationSettings, *, ensure_trainer: Callable[[], Awaitable[Any]] | None = None) -> None:
+    def __init__(self, trainer: TrainerCall, engines: Sequence[InferenceEngine] | Mapping[str, InferenceEngine],
+                 settings: PublicationSettings, *, ensure_trainer: Callable[[], Awaitable[Any]] | None = None,
+                 fresh_trainer: Callable[[str], Awaitable[bool]] | None = None) -> None:
         self._trainer = trainer
         # Starts a trainer if the one there died: only at the start of a step that then asks the
         # trainer what it holds before acting on it (a fresh trainer holds its initial weights).
         self._ensure_trainer = ensure_trainer
-        self.engines = list(engines)
+        # Replaces the trainer with a fresh one on its initial weights (False: it cannot be replaced).
+        self._fresh_trainer = fresh_trainer
+        # Engine ids, recorded in ``confirmed_by`` (a plain sequence: their positions).
+        self.names = list(engines) if isinstance(engines, Mapping) else [str(i) for i in range(len(engines))]
+        self.engines = list(engines.values()) if isinstance(engines, Mapping) else list(engines)
         self.settings = settings
         #: Held by every publication step and by the engine gate (engine/controllers/engine_gate.py).
         self.lock = asyncio.Lock()
@@ -224,7 +229,7 @@ class Publisher:
         if version is not None and version.state == "target":
             ops.append(Transition(VERSIONS, target, "target", version.version, "loaded",
                                   f"loaded by {len(self.engines)} engines",
-                                  {"confirmed_by": [str(i) for i in range(len(self.engines))]}))
+                                  {"confirmed_by": list(self.names)}))
         await ctx.apply(*ops)
         return Result()
 
@@ -281,11 +286,18 @@ class Publisher:
         health = await self._trainer("health")
         if health.get("last_job_id") == row.id:
             restore = None if head is None or head["job_id"] is None else await ctx.get(KIND, head["job_id"])
-            if restore is None or restore["checkpoint_path"] is None:
+            if restore is None and self._fresh_trainer is not None and (head is None or head["job_id"] is None):
+                # The head is the deployment's initial weights: a fresh trainer holds exactly those.
+                if not await self._fresh_trainer(f"it holds rejected job {row.id[:12]}'s step and the head is the "
+                                                 f"initial weights"):
+                    raise RuntimeError("the trainer holds the rejected step and cannot be started again on its "
+                                       "initial weights; an operator must restart it")
+            elif restore is None or restore["checkpoint_path"] is None:
                 raise RuntimeError(f"the trainer holds the rejected step and the head "
                                    f"{head.id if head else '(none)'} has no checkpoint to put back; an operator "
                                    f"must restart the trainer on the head's weights")
-            await self._trainer("load_checkpoint", restore["checkpoint_path"])
+            else:
+                await self._trainer("load_checkpoint", restore["checkpoint_path"])
         ops = [Transition(KIND, row.id, "REJECTING", row.version, "REJECTED",
                           f"incumbent {head.id if head else '(none)'} serving again", {"detail": None})]
         target = row["target_load_id"]

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -84,12 +84,14 @@ class TrainingController:
     kind = KIND
 
     def __init__(self, executor: TrainerRanks, settings: TrainingSettings,
-                 publication: tuple[Sequence[InferenceEngine], PublicationSettings] | None = None) -> None:
+                 publication: tuple[Sequence[InferenceEngine] | Mapping[str, InferenceEngine],
+                                    PublicationSettings] | None = None) -> None:
         self._executor = executor
         self.settings = settings
         # From CHECKPOINT on, the job's weights are published (when engines are given).
         self.publisher = None if publication is None else Publisher(self._call, *publication,
-                                                                      ensure_trainer=self._ensure_trainer)
+                                                                      ensure_trainer=self._ensure_trainer,
+                                                                      fresh_trainer=self._fresh_trainer)
         # Job id -> the version of the RUNNING row this process committed: the only RUNNING
         # records it may act on by calling train (once each).
         self._recorded: dict[str, int] = {}
@@ -195,11 +197,22 @@ class TrainingController:
             if not await self._restart_trainer(why):
                 return health
             health = await self._call("health")
+        return await self._declare_initial(health)
+
+    async def _declare_initial(self, health: dict[str, Any]) -> dict[str, Any]:
+        """Have a trainer on its initial weights say so in its step record (unless it already does)."""
         record = health.get("step_record")
         if record is not None and record.get("job_id") != INITIAL:
             await self._call("declare_initial")
             health = await self._call("health")
         return health
+
+    async def _fresh_trainer(self, why: str) -> bool:
+        """Replace the trainer by a fresh one on its initial weights, which it declares (False: cannot)."""
+        if not await self._restart_trainer(why):
+            return False
+        await self._declare_initial(await self._call("health"))
+        return True
 
     async def _ensure_trainer(self) -> bool:
         """Start a trainer if the host has none live (True when a fresh one was started)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from workers.executor import Executor, ExecutorConfig, WorkerSpec
 from workers.inference.engine import InferenceEngine
@@ -42,24 +43,34 @@ class TrainingParts:
                 await close()
 
 
+def _absolute(path: str) -> str:
+    """Paths go to other processes (engines read weights from disk; Ray actors have their own working
+    directory) and into the journal: resolved once, against the orchestrator's working directory."""
+    return str(Path(path).expanduser().resolve())
+
+
 def build_training(settings: Settings) -> TrainingParts:
     t = settings.training
     trainer = t.trainer
+    state_dir = _absolute(trainer.state_dir)
 
     def factory() -> Executor:
         return Executor.create(ExecutorConfig(backend=t.executor, workers=(WorkerSpec(TRAINER, kwargs={
-            "seed": trainer.seed, "lr": trainer.lr, "device": trainer.device, "state_dir": trainer.state_dir}),)))
+            "seed": trainer.seed, "lr": trainer.lr, "device": trainer.device, "state_dir": state_dir}),)))
 
     host = TrainerHost(factory)
     engines: dict[str, InferenceEngine] = {
         engine_id(t.deployment, e.name): SGLangEngine(SGLangConfig(url=e.url, timeout=t.engine_timeout_s,
-                                          weight_update_timeout=t.weight_update_timeout_s))
+                                                                   weight_update_timeout=t.weight_update_timeout_s))
         for e in t.engines}
-    publication = PublicationSettings(deployment=t.deployment, weights_dir=t.weights_dir, pause_mode=t.pause_mode,
-                                      retry_after_s=t.publish_retry_after_s, initial_weights=t.initial_weights)
+    publication = PublicationSettings(
+        deployment=t.deployment, weights_dir=_absolute(t.weights_dir), pause_mode=t.pause_mode,
+        retry_after_s=t.publish_retry_after_s,
+        initial_weights=None if t.initial_weights is None else _absolute(t.initial_weights))
     controller = TrainingController(host, TrainingSettings(
-        checkpoint_dir=t.checkpoint_dir, deployment=t.deployment, train_timeout_s=t.train_timeout_s, call_timeout_s=t.call_timeout_s,
-        retry_after_s=t.retry_after_s), publication=(list(engines.values()), publication) if engines else None)
+        checkpoint_dir=_absolute(t.checkpoint_dir), deployment=t.deployment, train_timeout_s=t.train_timeout_s,
+        call_timeout_s=t.call_timeout_s, retry_after_s=t.retry_after_s),
+        publication=(engines, publication) if engines else None)
     lock = controller.publisher.lock if controller.publisher is not None else asyncio.Lock()
     gate = EngineGateController(engines, GateSettings(t.deployment, t.pause_mode, t.retry_after_s), lock)
     return TrainingParts(host, engines, controller, gate)

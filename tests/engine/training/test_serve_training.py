@@ -13,16 +13,17 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 import sqlalchemy as sa
 
 from engine.config import ConfigError, Settings, load
 from engine.controllers.engine_gate import EngineGateController, GateSettings, engine_id, sync_engines
 from engine.service import Orchestrator
-from engine.training import resolve_job, submit_job
+from engine.training import reject_job, resolve_job, submit_job
 from engine.training.trainer_host import TrainerHost, TrainerUnavailable
 from journal import Journal, models
-from tests.support.training import job_row, payload, submit, until_state
+from tests.support.training import job_row, payload, submit, until_state, versions
 from tests.workers.inference.engines import EngineProc
 from workers.executor import Executor, ExecutorConfig, WorkerSpec
 from workers.inference.sglang import SGLangConfig, SGLangEngine
@@ -334,3 +335,52 @@ async def test_a_trainer_that_cannot_be_made_ready_is_said_and_train_waits(journ
     aside.rename(kept)  # the volume is back: the fresh trainer loads the step, then trains on it
     done = await until_state(orch.journal, second, "COMPLETE")
     assert done["metrics"]["step"] == 2 and done["trainer_step"] == 1 and done["detail"] is None
+
+
+async def test_rejecting_a_first_job_puts_back_the_initial_weights_and_a_fresh_trainer(
+        journal_url: str, tmp_path: Path, engine_procs: list[EngineProc], initial_dir: Path,
+        orchestrators: list[Orchestrator]) -> None:
+    settings = training_settings(journal_url, tmp_path, engine_procs, initial_dir, executor="mp")
+    # A failed transfer waits a long time before its retry: the job sits in UPDATING_WEIGHTS.
+    settings = settings.model_copy(update={"training": settings.training.model_copy(
+        update={"publish_retry_after_s": 60.0})})
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{engine_procs[1].url}/_test/fail_next",
+                             json={"path": "/update_weights_from_disk", "mode": "error"}) as resp:
+            assert resp.status == 200, await resp.text()
+    orch = Orchestrator(settings, with_discovery=False)
+    orchestrators.append(orch)
+    await leading(orch)
+    assert orch.training is not None
+    job = await submit(orch.journal, payload(0), deployment="dep")
+    for _ in range(400):
+        row = await job_row(orch.journal, job)
+        if row["state"] == "UPDATING_WEIGHTS" and row["detail"]:
+            break
+        await asyncio.sleep(0.05)
+    assert row["state"] == "UPDATING_WEIGHTS" and "failed" in row["detail"], row
+    held = await asyncio.to_thread(orch.training.host.rpc, 0, "health")
+    assert held["last_job_id"] == job
+    async with orch.journal.write() as tx:
+        await reject_job(tx, job, reason="its reward looked wrong")
+    await until_state(orch.journal, job, "REJECTED")
+    initial = (await versions(orch.journal))
+    head = next(v for v, (state, job_id) in initial.items() if state == "committed" and job_id is None)
+    for engine in adapters(engine_procs):
+        try:
+            assert await engine.weight_version() == head and not await paused(engine)
+        finally:
+            await engine.close()
+    fresh = await asyncio.to_thread(orch.training.host.rpc, 0, "health")
+    assert fresh["pid"] != held["pid"] and fresh["step"] == 0 and fresh["step_record"]["job_id"] == "initial"
+    # The next job trains on the initial weights, not on the rejected step.
+    after = await submit(orch.journal, payload(1), deployment="dep")
+    done = await until_state(orch.journal, after, "COMPLETE")
+    assert done["metrics"]["step"] == 1
+    reference = Trainer(seed=0)
+    reference.train({**payload(1), "job_id": after})
+    assert await asyncio.to_thread(orch.training.host.rpc, 0, "weights_digest") == reference.weights_digest()
+    t = models.weight_versions
+    async with orch.journal.read() as conn:
+        confirmed = (await conn.execute(sa.select(t.c.confirmed_by).where(t.c.id == done["runtime_load_id"]))).scalar()
+    assert confirmed == ["dep/e0", "dep/e1"]
