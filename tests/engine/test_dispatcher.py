@@ -73,7 +73,7 @@ async def test_rpc_client_errors_are_typed(remote: Scripted) -> None:
         assert (info.value.status, info.value.code, info.value.retryable) == (409, "invalid_phase", False)
         assert remote.calls["b"] == 1, "a typed protocol error is never retried"
         with pytest.raises(CallTimeout):
-            await rpc.call(remote.url, "POST", "/slow", {}, timeout_s=0.3)
+            await rpc.call(remote.url, "POST", "/slow", {}, timeout_s=2.0)  # reaches the handler even on a loaded machine
         assert remote.calls["slow"] == 1, "a timeout is not retried"
         with pytest.raises(TransportError) as refused:
             await rpc.call("http://127.0.0.1:9", "POST", "/x", {}, timeout_s=2, repeatable=False)
@@ -123,7 +123,8 @@ async def test_outcomes_are_recorded_and_owners_woken(journal: Journal, remote: 
         "flaky": await queue(journal, remote.url, "/flaky"),
         "refuse": await queue(journal, remote.url, "/refuse"),
         "broken": await queue(journal, remote.url, "/broken", max_attempts=3),
-        "step": await queue(journal, remote.url, "/slow", repeatable=False, timeout_s=0.3),
+        # 2 s: long enough for the request to reach the handler on a loaded machine (it sleeps 5 s).
+        "step": await queue(journal, remote.url, "/slow", repeatable=False, timeout_s=2.0),
         "down": await queue(journal, "http://127.0.0.1:9", "/x", max_attempts=2),
         # Not safe to repeat, but the connection was never made: it cannot have arrived.
         "down_unsafe": await queue(journal, "http://127.0.0.1:9", "/y", repeatable=False, max_attempts=1),
