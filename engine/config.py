@@ -13,7 +13,7 @@ import re
 import socket
 import uuid
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
@@ -148,6 +148,19 @@ class ParticipantEntry(_Strict):
         return v.rstrip("/")
 
 
+E = TypeVar("E", bound=ParticipantEntry)
+
+
+def _unique_names(entries: list[E], what: str) -> list[E]:
+    """``entries`` unchanged, or a ValueError naming the first name given twice."""
+    seen: set[str] = set()
+    for e in entries:
+        if e.name in seen:
+            raise ValueError(f"{what} name {e.name!r} appears twice")
+        seen.add(e.name)
+    return entries
+
+
 class EngineEntry(ParticipantEntry):
     """An inference engine of the deployment (SGLang's HTTP admin API, or the reference engine)."""
 
@@ -184,12 +197,7 @@ class TrainingWorkflowSettings(_Strict):
     @field_validator("engines")
     @classmethod
     def _unique(cls, v: list[EngineEntry]) -> list[EngineEntry]:
-        seen: set[str] = set()
-        for e in v:
-            if e.name in seen:
-                raise ValueError(f"engine name {e.name!r} appears twice")
-            seen.add(e.name)
-        return v
+        return _unique_names(v, "engine")
 
     @model_validator(mode="after")
     def _engines_when_enabled(self) -> TrainingWorkflowSettings:
@@ -229,12 +237,7 @@ class Settings(_Strict):
     @field_validator("participants")
     @classmethod
     def _unique(cls, v: list[ParticipantEntry]) -> list[ParticipantEntry]:
-        seen: set[str] = set()
-        for p in v:
-            if p.name in seen:
-                raise ValueError(f"participant name {p.name!r} appears twice")
-            seen.add(p.name)
-        return v
+        return _unique_names(v, "participant")
 
     def token(self) -> str | None:
         """The control token: ``TIDELOG_CONTROL_TOKEN`` first, then ``control.token``."""

@@ -54,6 +54,13 @@ async def leading(orch: Orchestrator) -> Orchestrator:
     raise AssertionError("the orchestrator did not lead")
 
 
+async def serving(settings: Settings, started: list[Orchestrator]) -> Orchestrator:
+    """An orchestrator built from ``settings`` (training included), leading; stopped by the fixture."""
+    orch = Orchestrator(settings, with_discovery=False)
+    started.append(orch)
+    return await leading(orch)
+
+
 async def engine_rows(journal: Journal) -> dict[str, dict[str, Any]]:
     t = models.engines
     async with journal.read() as conn:
@@ -118,9 +125,7 @@ def test_engine_names_must_be_unique_and_urls_plain(tmp_path: Path) -> None:
 async def test_serve_trains_publishes_and_records_every_engine(journal_url: str, tmp_path: Path,
                                                               engine_procs: list[EngineProc], initial_dir: Path,
                                                               orchestrators: list[Orchestrator]) -> None:
-    orch = Orchestrator(training_settings(journal_url, tmp_path, engine_procs, initial_dir), with_discovery=False)
-    orchestrators.append(orch)
-    await leading(orch)
+    orch = await serving(training_settings(journal_url, tmp_path, engine_procs, initial_dir), orchestrators)
     job_id = await submit(orch.journal, payload(), deployment="dep")
     row = await until_state(orch.journal, job_id, "COMPLETE")
     head = row["runtime_load_id"]
@@ -141,9 +146,7 @@ async def test_start_up_puts_an_engine_back_on_the_committed_head(journal_url: s
                                                                  engine_procs: list[EngineProc], initial_dir: Path,
                                                                  orchestrators: list[Orchestrator]) -> None:
     settings = training_settings(journal_url, tmp_path, engine_procs, initial_dir)
-    orch = Orchestrator(settings, with_discovery=False)
-    orchestrators.append(orch)
-    await leading(orch)
+    orch = await serving(settings, orchestrators)
     job_id = await submit(orch.journal, payload(), deployment="dep")
     head = (await until_state(orch.journal, job_id, "COMPLETE"))["runtime_load_id"]
     await orch.stop()
@@ -252,10 +255,8 @@ async def test_a_restarted_trainer_continues_from_the_latest_checkpoint(journal_
                                                                        engine_procs: list[EngineProc],
                                                                        initial_dir: Path,
                                                                        orchestrators: list[Orchestrator]) -> None:
-    orch = Orchestrator(training_settings(journal_url, tmp_path, engine_procs, initial_dir, executor="mp"),
-                        with_discovery=False)
-    orchestrators.append(orch)
-    await leading(orch)
+    orch = await serving(training_settings(journal_url, tmp_path, engine_procs, initial_dir, executor="mp"),
+                         orchestrators)
     assert orch.training is not None
     first = await submit(orch.journal, payload(0), deployment="dep")
     await until_state(orch.journal, first, "COMPLETE")
@@ -288,9 +289,7 @@ async def test_a_step_no_kept_job_accounts_for_is_dropped_by_a_fresh_trainer(jou
     started again and declares its initial weights)."""
     settings = training_settings(journal_url, tmp_path, engine_procs, initial_dir, executor="mp")
     (tmp_path / "checkpoints").write_text("a file where the checkpoint directory should be")  # a real fault
-    orch = Orchestrator(settings, with_discovery=False)
-    orchestrators.append(orch)
-    await leading(orch)
+    orch = await serving(settings, orchestrators)
     assert orch.training is not None
     bad = await submit(orch.journal, payload(0), deployment="dep")
     row = await until_state(orch.journal, bad, "AMBIGUOUS")
@@ -313,10 +312,8 @@ async def test_a_trainer_that_cannot_be_made_ready_is_said_and_train_waits(journ
                                                                           engine_procs: list[EngineProc],
                                                                           initial_dir: Path,
                                                                           orchestrators: list[Orchestrator]) -> None:
-    orch = Orchestrator(training_settings(journal_url, tmp_path, engine_procs, initial_dir, executor="mp"),
-                        with_discovery=False)
-    orchestrators.append(orch)
-    await leading(orch)
+    orch = await serving(training_settings(journal_url, tmp_path, engine_procs, initial_dir, executor="mp"),
+                         orchestrators)
     assert orch.training is not None
     first = await submit(orch.journal, payload(0), deployment="dep")
     kept = Path((await until_state(orch.journal, first, "COMPLETE"))["checkpoint_path"])
@@ -348,9 +345,7 @@ async def test_rejecting_a_first_job_puts_back_the_initial_weights_and_a_fresh_t
         async with http.post(f"{engine_procs[1].url}/_test/fail_next",
                              json={"path": "/update_weights_from_disk", "mode": "error"}) as resp:
             assert resp.status == 200, await resp.text()
-    orch = Orchestrator(settings, with_discovery=False)
-    orchestrators.append(orch)
-    await leading(orch)
+    orch = await serving(settings, orchestrators)
     assert orch.training is not None
     job = await submit(orch.journal, payload(0), deployment="dep")
     for _ in range(400):
