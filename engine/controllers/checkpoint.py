@@ -26,7 +26,11 @@ are the intents a reconcile of the new state would write).
   directory. All committed: ``committed``; a failure: ``aborting``.
 - ``committed`` → ``published``: ``<dir>/<id>/checkpoint.json`` (the members'
   manifests, the scope, the restarts) and then ``<dir>/LATEST`` are written
-  atomically and durably.
+  atomically and durably, by the commit deadline. A publish that fails (a full
+  disk, a read-only or unwritable directory, an I/O error) or is still running
+  at the deadline: ``aborting``, the path and the OS error in ``detail``, with
+  neither a checkpoint.json nor a changed ``LATEST`` left behind (errors a
+  retry may cure are tried again a few times, within the deadline).
 - ``published`` → ``resuming`` → ``done``; ``aborting`` → ``aborted``: every
   member is resumed in reverse stage order (members never reached too, so
   their late requests are fenced). A resume that fails is recorded and not
@@ -36,7 +40,12 @@ are the intents a reconcile of the new state would write).
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
+import logging
+import os
+import stat
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -66,6 +75,19 @@ CALL_MARGIN_S = 2.0
 _LIGHT = ("id", "state", "version", "participant", "kind", "url", "stage")
 #: Every member state a resume moves from.
 _RESUMABLE: tuple[str, ...] = tuple(sorted(set(machines.CHECKPOINT_MEMBERS.states) - {"resuming", "resumed"}))
+#: Publish errors a retry may cure (a network filesystem's hiccup). Anything else — a full disk
+#: (ENOSPC, EDQUOT), a read-only or unwritable directory (EROFS, EACCES, EPERM) — aborts at once.
+TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.EAGAIN, errno.EINTR, errno.EBUSY, errno.ETIMEDOUT, errno.ESTALE})
+#: How many times a publish is tried in all (only for a transient error, and only within the deadline).
+PUBLISH_TRIES = 3
+#: The pause before a publish is tried again.
+PUBLISH_RETRY_S = 0.5
+#: The least time a publish is given, even one first tried at or past the deadline (after a restart).
+PUBLISH_MIN_S = 5.0
+#: The most bytes read of the ``LATEST`` a publish replaces (kept to put back if the publish fails).
+_POINTER_MAX = 4096
+
+log = logging.getLogger("tidelog.checkpoint")
 
 
 @dataclass(frozen=True)
@@ -108,6 +130,109 @@ def _light(member: Row) -> Row:
     return Row(member.kind, member.id, member.state, member.version, {k: member[k] for k in _LIGHT[3:]})
 
 
+class PublishFailed(Exception):
+    """Writing one of a checkpoint's files failed (``error``, the OS error), or did not finish in time
+    (``error`` is ``None``); ``note`` says what the clean-up could not undo."""
+
+    def __init__(self, path: Path, error: OSError | None, note: str = "") -> None:
+        self.path, self.error, self.note = path, error, note
+        super().__init__(self.describe())
+
+    @property
+    def transient(self) -> bool:
+        return self.error is not None and self.error.errno in TRANSIENT_ERRNOS
+
+    def describe(self) -> str:
+        if self.error is None:
+            what = f"publishing did not finish by the commit deadline (writing {self.path})"
+        else:
+            code = errno.errorcode.get(self.error.errno or 0, str(self.error.errno))
+            what = f"publishing failed writing {self.path}: {self.error.strerror or self.error} ({code})"
+        return f"{what}; not published{'; ' + self.note if self.note else ''}"
+
+
+def _read_pointer(path: Path) -> bytes | None:
+    """The ``LATEST`` file's bytes, or ``None`` where there is none (or it is not a small regular file)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > _POINTER_MAX:
+            return None
+        return os.read(fd, _POINTER_MAX)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+class _Publication:
+    """One publish's file work, run in a worker thread: the manifest, then ``LATEST``.
+
+    All or nothing: on any failure — or once the controller has stopped waiting (:meth:`abandon`,
+    at the deadline) — the manifest is removed and ``LATEST`` put back as it was, so an
+    unpublished checkpoint leaves neither behind. (:func:`write_atomically` removes its own
+    temporary file when it fails.) ``writing`` is the file being written now.
+    """
+
+    def __init__(self, manifest: Path, data: bytes, latest: Path, checkpoint_id: str) -> None:
+        self.manifest, self.data, self.latest = manifest, data, latest
+        self.pointer = (checkpoint_id + "\n").encode()
+        self.writing = manifest
+        self._lock = threading.Lock()  # held only to set or read the two flags below
+        self._abandoned = False
+        self._finished = False
+
+    def abandon(self) -> bool:
+        """The controller stops waiting: whatever is still written is undone. ``True`` where both
+        files were written in time after all (the thread finished as the wait ran out)."""
+        with self._lock:
+            self._abandoned = True
+            return self._finished
+
+    def _finish(self) -> bool:
+        """Whether the publish stands (``False``: it was abandoned)."""
+        with self._lock:
+            self._finished = not self._abandoned
+            return self._finished
+
+    def run(self) -> None:
+        try:
+            write_atomically(self.manifest, self.data)
+        except OSError as exc:  # the rename may have happened (a failed directory fsync)
+            raise PublishFailed(self.manifest, exc, self._undo(None)) from None
+        if self._abandoned:
+            self._undo(None)
+            return
+        self.writing = self.latest
+        previous = _read_pointer(self.latest)
+        try:
+            write_atomically(self.latest, self.pointer)
+        except OSError as exc:
+            raise PublishFailed(self.latest, exc, self._undo(previous)) from None
+        if not self._finish():
+            self._undo(previous)
+
+    def _undo(self, previous: bytes | None) -> str:
+        """Remove the manifest and put ``LATEST`` back (if this publish replaced it); what failed."""
+        problems: list[str] = []
+        if self.writing == self.latest and _read_pointer(self.latest) == self.pointer and previous != self.pointer:
+            try:
+                if previous is None:
+                    self.latest.unlink(missing_ok=True)
+                else:
+                    write_atomically(self.latest, previous)
+            except OSError as exc:
+                problems.append(f"LATEST could not be put back ({exc.strerror or exc})")
+        try:
+            self.manifest.unlink(missing_ok=True)
+        except OSError as exc:
+            problems.append(f"{self.manifest} could not be removed ({exc.strerror or exc})")
+        return "; ".join(problems)
+
+
 def member_id(checkpoint_id: str, participant: str) -> str:
     return f"{checkpoint_id}/{participant}"
 
@@ -137,6 +262,8 @@ class CheckpointController:
         # checkpoint row, so the same version means the same members; any other write to the
         # row (an operator's abort) changes its version, and a failed write drops the entry.
         self._members_at: dict[str, tuple[int, list[Row]]] = {}
+        # Checkpoint id -> failed publish tries so far (transient errors only; bounded by the deadline).
+        self._publish_tries: dict[str, int] = {}
 
     def waiting(self, checkpoint_id: str) -> bool:
         """Whether a completed call of this checkpoint can be ignored: other calls of its step are
@@ -278,13 +405,13 @@ class CheckpointController:
         if row is None or row.state in ("done", "aborted", "failed"):
             self._open.forget(entity_id)
             self._members_at.pop(entity_id, None)
+            self._publish_tries.pop(entity_id, None)
             return Result()
         deadline = self._open.waiting_until(entity_id, row.version, time.time(), CALL_MARGIN_S)
         if deadline is not None:
             return self._wait(deadline)
         if row.state == "committed":
-            await self._publish(ctx, row)
-            return Result()
+            return await self._publish(ctx, row)
         known = self._members_at.get(entity_id)
         members = known[1] if known is not None and known[0] == row.version else await self._members(ctx, entity_id)
         if row.state == "prepared":  # only left here by an engine older than this one
@@ -425,21 +552,51 @@ class CheckpointController:
                                           {"detail": detail}))
         return ops, "; ".join(failures)
 
-    async def _publish(self, ctx: Context, row: Row) -> None:
-        """Write the checkpoint's manifest and then ``LATEST``; then resume (the same commit)."""
+    async def _publish(self, ctx: Context, row: Row) -> Result:
+        """Write the checkpoint's manifest and then ``LATEST``; then resume (the same commit).
+
+        Bounded by the commit deadline (at least :data:`PUBLISH_MIN_S`). A failure, or a write
+        still running at the deadline, aborts the checkpoint with the reason in ``detail`` (the
+        participants are resumed); a transient error is first tried again, up to
+        :data:`PUBLISH_TRIES` in all, while the deadline allows.
+        """
         members = await self._members(ctx, row.id, full=True)
         root = Path(row["checkpoint_dir"])
         manifest = {"checkpoint_id": row.id, "scope": row["scope"], "restarts": row["restarts"],
                     "members": {m["participant"]: {"kind": m["kind"], "manifest": m["manifest"],
                                                    "episode_ids": m["episode_ids"]} for m in members}}
         path = root / row.id / "checkpoint.json"
-        await asyncio.to_thread(write_atomically, path, json.dumps(manifest, indent=1, sort_keys=True).encode())
-        await asyncio.to_thread(write_atomically, root / "LATEST", (row.id + "\n").encode())
+        work = _Publication(path, json.dumps(manifest, indent=1, sort_keys=True).encode(), root / "LATEST", row.id)
+        deadline = self._deadline(row, self.settings.commit_timeout_s)
+        try:
+            await asyncio.wait_for(asyncio.to_thread(work.run), max(deadline - time.time(), PUBLISH_MIN_S))
+        except PublishFailed as failure:
+            return await self._publish_failed(ctx, row, members, deadline, failure)
+        except TimeoutError:
+            if not work.abandon():  # the thread undoes whatever it still writes
+                return await self._publish_failed(ctx, row, members, deadline, PublishFailed(work.writing, None))
+        self._publish_tries.pop(row.id, None)
         published = self._move(ctx, row, "published", "checkpoint manifest and LATEST written",
                                manifest_path=str(path))
         await self._write(ctx, row, [_light(m) for m in members], [
             published, self._move(ctx, _after(row, published), "resuming", "published",
                                   deadline=self.settings.resume_timeout_s)])
+        return Result()
+
+    async def _publish_failed(self, ctx: Context, row: Row, members: list[Row], deadline: float,
+                              failure: PublishFailed) -> Result:
+        """Try a transient failure again while tries and the deadline allow; otherwise abort."""
+        tries = self._publish_tries.get(row.id, 0) + 1
+        if failure.transient and tries < PUBLISH_TRIES and time.time() + PUBLISH_RETRY_S < deadline:
+            self._publish_tries[row.id] = tries
+            log.warning("checkpoint %s: publish try %d of %d failed, trying again in %.1fs: %s",
+                        row.id, tries, PUBLISH_TRIES, PUBLISH_RETRY_S, failure.describe())
+            return Result(requeue_after=PUBLISH_RETRY_S)
+        self._publish_tries.pop(row.id, None)
+        detail = failure.describe()
+        log.error("checkpoint %s aborted: %s", row.id, detail)  # one line: the reason is in the journal
+        await self._write(ctx, row, [_light(m) for m in members], [self._abort(ctx, row, detail)])
+        return Result()
 
     async def _resuming(self, ctx: Context, row: Row, members: list[Row]) -> Result:
         """Resume members in reverse stage order; every member ends ``resumed``."""
@@ -511,5 +668,5 @@ def next_try_id(checkpoint_id: str, try_number: int) -> str:
     return f"{base}-try{try_number}"
 
 
-__all__ = ["MEMBERS", "STAGES", "CheckpointController", "CheckpointSettings", "member_id", "next_try_id",
-           "retirement_id", "start_checkpoint"]
+__all__ = ["MEMBERS", "STAGES", "CheckpointController", "CheckpointSettings", "PublishFailed", "member_id",
+           "next_try_id", "retirement_id", "start_checkpoint"]
