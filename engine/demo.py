@@ -69,7 +69,9 @@ class Fleet:
                                  "--step-delay", str(step_delay)]}
         for kind in KINDS:
             self._spawn(kind, ["-m", f"workers.reference.{kind}", "--port", str(self.ports[kind]),
-                               "--state-dir", str(self.workdir / "state" / kind), *extra.get(kind, [])])
+                               "--state-dir", str(self.workdir / "state" / kind),
+                               # the orchestrator's checkpoint directory (see the config below) lies here
+                               "--checkpoint-root", str(self.workdir.resolve()), *extra.get(kind, [])])
 
     def kill_participants(self) -> None:
         for kind in KINDS:

@@ -20,7 +20,7 @@ import re
 from enum import Enum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
 CONTROL_PREFIX = "/ng-control/v1/checkpoint"
 STATUS_PATH = f"{CONTROL_PREFIX}/status"
@@ -42,6 +42,12 @@ CheckpointId = Annotated[str, StringConstraints(min_length=1, max_length=128, pa
 RolloutId = Annotated[str, StringConstraints(min_length=1, max_length=255, pattern=ID_PATTERN)]
 #: An absolute Unix time in seconds: a JSON number (not a string), finite.
 Timestamp = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+#: The furthest a request's ``deadline_ts`` may lie past the participant's clock (7 days): a
+#: deadline sets a lease (``deadline_ts + lease_grace_seconds``), and one that never comes — ``1e308``,
+#: or milliseconds sent for seconds — would hold a participant's admission closed for good.
+MAX_DEADLINE_AHEAD_S = 7 * 24 * 3600.0
+#: The longest ``checkpoint_dir`` a commit or restore may name (Linux's ``PATH_MAX``).
+MAX_CHECKPOINT_DIR_CHARS = 4096
 
 
 class ErrorCode(str, Enum):
@@ -63,6 +69,9 @@ class ErrorCode(str, Enum):
     INVALID_REQUEST = "invalid_request"
     #: A body larger than the server accepts (its ``client_max_size``).
     REQUEST_TOO_LARGE = "request_too_large"
+    #: A commit's or restore's ``checkpoint_dir`` outside the participant's checkpoint root: relative,
+    #: not under the root, or reaching through a symbolic link (the detail names the rule).
+    CHECKPOINT_DIR_REFUSED = "checkpoint_dir_refused"
 
 
 #: The HTTP status each code is sent with.
@@ -81,6 +90,7 @@ ERROR_STATUS: dict[ErrorCode, int] = {
     ErrorCode.ROLLOUT_ID_REQUIRED: 400,
     ErrorCode.INVALID_REQUEST: 422,
     ErrorCode.REQUEST_TOO_LARGE: 413,
+    ErrorCode.CHECKPOINT_DIR_REFUSED: 422,
 }
 
 
@@ -190,15 +200,27 @@ class ForgetRequest(CheckpointRequest):
         return v
 
 
+def _no_nul(value: str) -> str:
+    if "\x00" in value:
+        raise ValueError("holds a NUL byte, which no path may contain")
+    return value
+
+
+#: A checkpoint directory as sent: 1 to :data:`MAX_CHECKPOINT_DIR_CHARS` characters, no NUL. Whether
+#: a participant accepts it (absolute, under its checkpoint root, no symbolic link) is its own check.
+CheckpointDir = Annotated[str, StringConstraints(min_length=1, max_length=MAX_CHECKPOINT_DIR_CHARS),
+                          AfterValidator(_no_nul)]
+
+
 class CommitRequest(CheckpointRequest):
-    checkpoint_dir: str = Field(min_length=1)
+    checkpoint_dir: CheckpointDir
     #: The scope: every episode the controller continues (``None``: whatever is exported).
     episode_ids: list[EpisodeId] | None = None
     stop: bool = False
 
 
 class RestoreRequest(CheckpointRequest):
-    checkpoint_dir: str = Field(min_length=1)
+    checkpoint_dir: CheckpointDir
     episode_ids: list[EpisodeId]
 
 

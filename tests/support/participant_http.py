@@ -34,6 +34,8 @@ def deadline(seconds: float = 10.0) -> float:
 class ControlServer:
     def __init__(self, participant: Participant, state_dir: Path, **options: Any) -> None:
         self.participant = participant
+        # The tests' checkpoints live beside the state directory (both in the test's tmp_path).
+        options.setdefault("checkpoint_root", state_dir.parent)
         self.control = ControlPlane(participant, state_dir=state_dir, **options)
         self.app = web.Application()
         mount(self.app, self.control, token=TOKEN)

@@ -1,6 +1,7 @@
 """The reference participants as real processes, and a controller's calls to them.
 
 :class:`RefProc` starts ``python -m workers.reference.<kind> --port 0 --state-dir DIR ...``
+(:class:`Procs` adds ``--checkpoint-root`` the test's directory)
 with ``TIDELOG_CONTROL_TOKEN`` in its environment, reads the port from its
 ``listening on http://127.0.0.1:PORT`` line, and sends its log (stderr) to a file, whose
 tail an error quotes. :class:`Procs` starts them for one test and kills every one it
@@ -94,7 +95,11 @@ class Procs:
         self._n = 0
 
     def start(self, kind: str, state_dir: Path, *args: str, env: dict[str, str] | None = None) -> RefProc:
+        """Start one server; its checkpoint root is the test's directory (which holds the
+        orchestrator's checkpoint directory) unless ``args`` name another."""
         self._n += 1
+        if "--checkpoint-root" not in args:
+            args = ("--checkpoint-root", str(self.tmp), *args)
         proc = RefProc(kind, state_dir, args, self.tmp / f"{self._n:02d}-{kind}.log", env)
         self.started.append(proc)
         return proc.start()

@@ -319,10 +319,10 @@ def test_stop_waits_for_a_manifest_being_published(tmp_path: Path, monkeypatch: 
     publishing, release = threading.Event(), threading.Event()
     real_publish = storage._publish
 
-    def slow_publish(directory: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    def slow_publish(chain: Any, manifest: dict[str, Any]) -> dict[str, Any]:
         publishing.set()
         assert release.wait(10)
-        return real_publish(directory, manifest)
+        return real_publish(chain, manifest)
 
     monkeypatch.setattr(storage, "_publish", slow_publish)
     outcome: dict[str, Any] = {}
@@ -356,12 +356,12 @@ def test_a_retry_that_finds_its_manifest_syncs_the_directory_first(
     synced: list[tuple[Path, bool]] = []
     failed = []
 
-    def flaky(path: Path) -> None:
+    def flaky(fd: int, path: Path) -> None:
         published = (directory / MANIFEST).exists()
         if path == directory and published and not failed:
             failed.append(path)
             raise OSError(5, "Input/output error")
-        real_fsync_dir(path)
+        real_fsync_dir(fd, path)
         synced.append((path, published))
 
     monkeypatch.setattr(storage, "_fsync_dir", flaky)

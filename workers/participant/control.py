@@ -25,15 +25,18 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ..protocol import (CommitReply, CommitRequest, EpisodeId, ErrorCode, ForgetReply, ForgetRequest, Phase,
+from ..protocol import (MAX_DEADLINE_AHEAD_S, CheckpointRequest, CommitReply, CommitRequest, EpisodeId, ErrorCode, ForgetReply, ForgetRequest, Phase,
                         PrepareReply, PrepareRequest, ProtocolError, RenewReply, RenewRequest, RestoreReply,
                         RestoreRequest, ResumeReply, ResumeRequest, RetireReply, RetireRequest, StatusReply,
                         scope_keys)
@@ -45,6 +48,10 @@ log = logging.getLogger("tidelog.participant")
 T = TypeVar("T")
 
 FENCED_IDS = 64
+#: Threads of the control plane's storage pool (records writes, restore reads, write stops). The
+#: pool is its own: a read that blocks cannot take a thread the event loop's default executor (and
+#: so every ``asyncio.to_thread`` of the server) needs.
+STORAGE_THREADS = 4
 #: How long an expired lease waits before it retries a reopen that failed.
 LEASE_RETRY_S = 30.0
 #: How many episodes a retire (or a cleanup) stops at once.
@@ -70,11 +77,21 @@ def _err(code: ErrorCode, detail: str) -> ProtocolError:
 class ControlPlane:
     """The checkpoint control plane of one participant (see the module docstring)."""
 
-    def __init__(self, participant: Participant, *, state_dir: str | Path, lease_grace_seconds: float = 600.0,
-                 lease_retry_seconds: float = LEASE_RETRY_S, clock: Callable[[], float] = time.time) -> None:
-        if lease_grace_seconds <= 0:
-            raise ValueError(f"lease_grace_seconds must be > 0, not {lease_grace_seconds}")
+    def __init__(self, participant: Participant, *, state_dir: str | Path, checkpoint_root: str | Path | None = None,
+                 lease_grace_seconds: float = 600.0, lease_retry_seconds: float = LEASE_RETRY_S,
+                 clock: Callable[[], float] = time.time, storage_threads: int = STORAGE_THREADS) -> None:
+        """``checkpoint_root`` confines every commit and restore: its ``checkpoint_dir`` must be an
+        absolute path under it, reached through no symbolic link (``checkpoint_dir_refused``
+        otherwise). Without a root every commit and restore is refused — a participant writes
+        nowhere it was not told it may. Storage work runs on ``storage_threads`` threads of the
+        control plane's own pool, never on the event loop's default executor."""
+        if not lease_grace_seconds > 0 or not math.isfinite(lease_grace_seconds):
+            raise ValueError(f"lease_grace_seconds must be a finite number > 0, not {lease_grace_seconds}")
+        if storage_threads < 1:
+            raise ValueError(f"storage_threads must be >= 1, not {storage_threads}")
         self.participant = participant
+        self.checkpoint_root = None if checkpoint_root is None else storage.resolve_root(checkpoint_root)
+        self._storage = ThreadPoolExecutor(max_workers=storage_threads, thread_name_prefix="checkpoint-storage")
         self.marks = RetiredMarks(state_dir)
         self.lease_grace_seconds = lease_grace_seconds
         self.lease_retry_seconds = lease_retry_seconds
@@ -102,6 +119,28 @@ class ControlPlane:
     def notify(self) -> None:
         """Readiness may have changed: wake a waiting prepare."""
         self._wake.set()
+
+    def check_deadline(self, req: CheckpointRequest, op: str) -> None:
+        """Refuse a ``deadline_ts`` more than :data:`~workers.protocol.MAX_DEADLINE_AHEAD_S` past
+        this participant's clock (422 ``invalid_request``): its lease would outlive any controller."""
+        ahead = req.deadline_ts - self.clock()
+        if ahead > MAX_DEADLINE_AHEAD_S:
+            raise _err(ErrorCode.INVALID_REQUEST,
+                       f"invalid {op} request: deadline_ts {req.deadline_ts!r} is {ahead:.0f} s past now; "
+                       f"a deadline may lie at most {MAX_DEADLINE_AHEAD_S:.0f} s (7 days) ahead "
+                       "(is it in milliseconds?)")
+
+    def _run_storage(self, call: Callable[..., T], *args: Any, **kwargs: Any) -> asyncio.Future[T]:
+        """Run blocking storage work on the control plane's own pool (see :data:`STORAGE_THREADS`)."""
+        return asyncio.get_running_loop().run_in_executor(self._storage, functools.partial(call, *args, **kwargs))
+
+    def _confined(self, checkpoint_dir: str) -> Path:
+        """The root ``checkpoint_dir`` must lie under (refusing it now, before any work, if it does not)."""
+        if self.checkpoint_root is None:
+            raise storage.refused(f"checkpoint_dir {checkpoint_dir!r} refused: this participant has no "
+                                  "checkpoint root configured, so it writes and reads no checkpoint")
+        storage.confine(self.checkpoint_root, checkpoint_dir)
+        return self.checkpoint_root
 
     def _remaining(self, deadline_ts: float, what: str) -> float:
         remaining = deadline_ts - self.clock()
@@ -162,6 +201,7 @@ class ControlPlane:
     # -- prepare --------------------------------------------------------------------------------
 
     async def prepare(self, req: PrepareRequest) -> PrepareReply:
+        self.check_deadline(req, "prepare")
         cid = req.checkpoint_id
         async with self._lock:
             if cid not in self._fenced and (done := self._recorded(cid, "prepare", None)) is not None:
@@ -212,6 +252,7 @@ class ControlPlane:
     # -- renew ----------------------------------------------------------------------------------
 
     async def renew(self, req: RenewRequest) -> RenewReply:
+        self.check_deadline(req, "renew")
         async with self._lock:
             self._admit(req.checkpoint_id, ("preparing", "prepared", "committed", "restored"), "renew")
             if self.checkpoint_id is None:
@@ -221,6 +262,7 @@ class ControlPlane:
     # -- retire and forget ----------------------------------------------------------------------
 
     async def retire(self, req: RetireRequest) -> RetireReply:
+        self.check_deadline(req, "retire")
         async with self._lock:
             self._admit(req.checkpoint_id, ("idle", "restored"), "retire")
             if self.phase == "restored":
@@ -257,6 +299,7 @@ class ControlPlane:
                 raise outcome
 
     async def forget(self, req: ForgetRequest) -> ForgetReply:
+        self.check_deadline(req, "forget")
         async with self._lock:
             self._admit(req.checkpoint_id, ("idle", "restored"), "forget")
             if self.phase == "restored":
@@ -269,6 +312,8 @@ class ControlPlane:
     # -- commit ---------------------------------------------------------------------------------
 
     async def commit(self, req: CommitRequest) -> CommitReply:
+        self.check_deadline(req, "commit")
+        root = self._confined(req.checkpoint_dir)
         cid = req.checkpoint_id
         scope = scope_keys(req.episode_ids)
         args = (req.checkpoint_dir, scope)
@@ -301,7 +346,7 @@ class ControlPlane:
                                            f"export-{cid}")
         assert state.export is not None
         try:
-            return await self._commit_work(req, state, state.export, args)
+            return await self._commit_work(req, state, state.export, args, root)
         except (asyncio.CancelledError, storage.WriteStopped):
             task = asyncio.current_task()
             if task is not None and task.cancelling():
@@ -312,7 +357,7 @@ class ControlPlane:
 
     async def _commit_work(self, req: CommitRequest, state: _Checkpoint,
                            export: asyncio.Task[list[ExportRecord]],
-                           args: tuple[str, tuple[str, ...] | None]) -> CommitReply:
+                           args: tuple[str, tuple[str, ...] | None], root: Path) -> CommitReply:
         """Await the export, then the write, then the cleanup — each a task this checkpoint owns —
         re-checking under the lock between them that the checkpoint is still the active one."""
         cid = req.checkpoint_id
@@ -329,9 +374,9 @@ class ControlPlane:
         async with self._lock:
             self._admit(cid, ("prepared",), "commit")
             if state.write is None or (state.write.done() and state.write.exception() is not None):
-                state.write = self._spawn(asyncio.to_thread(
+                state.write = self._spawn(self._run_storage(
                     storage.write_records, req.checkpoint_dir, self.participant.kind, self.participant.instance,
-                    cid, records, stop=state.stop), f"write-{cid}")
+                    cid, records, stop=state.stop, root=root), f"write-{cid}")
             write = state.write
         manifest = await self._within(req.deadline_ts, "commit (write)", asyncio.shield(write))
         async with self._lock:
@@ -359,6 +404,8 @@ class ControlPlane:
     # -- restore --------------------------------------------------------------------------------
 
     async def restore(self, req: RestoreRequest) -> RestoreReply:
+        self.check_deadline(req, "restore")
+        root = self._confined(req.checkpoint_dir)
         cid = req.checkpoint_id
         scope = scope_keys(req.episode_ids) or ()
         args = (req.checkpoint_dir, scope)
@@ -378,12 +425,12 @@ class ControlPlane:
             self._restore_serial += 1
             serial = self._restore_serial
         try:
-            return await self._restore_work(req, args, serial)
+            return await self._restore_work(req, args, serial, root)
         finally:
             self._restoring = False
 
-    async def _restore_work(self, req: RestoreRequest, args: tuple[str, tuple[str, ...]], serial: int
-                            ) -> RestoreReply:
+    async def _restore_work(self, req: RestoreRequest, args: tuple[str, tuple[str, ...]], serial: int,
+                            root: Path) -> RestoreReply:
         """Read and verify (in a thread), wait for an earlier install, close admission, install."""
         cid = req.checkpoint_id
         wanted = frozenset(args[1])
@@ -401,8 +448,11 @@ class ControlPlane:
             except ValueError as exc:
                 raise storage.invalid(f"checkpoint record of episode {key!r} is invalid: {exc}") from None
 
-        manifest, records = await self._within(req.deadline_ts, "restore (read)", asyncio.to_thread(
-            storage.read_records, req.checkpoint_dir, participant.kind, participant.instance, select, keys=wanted))
+        # The read stops by itself at the deadline too, so a timed-out restore leaves no thread behind.
+        read_until = time.monotonic() + self._remaining(req.deadline_ts, "restore (read)")
+        manifest, records = await self._within(req.deadline_ts, "restore (read)", self._run_storage(
+            storage.read_records, req.checkpoint_dir, participant.kind, participant.instance, select, keys=wanted,
+            root=root, deadline=read_until))
         previous_install = self._install
         if previous_install is not None and not previous_install.done():
             # Only wait: the earlier install's own failure is not this restore's.
@@ -460,6 +510,7 @@ class ControlPlane:
     # -- resume ---------------------------------------------------------------------------------
 
     async def resume(self, req: ResumeRequest) -> ResumeReply:
+        self.check_deadline(req, "resume")
         cid = req.checkpoint_id
         async with self._lock:
             if self.checkpoint_id is None:
@@ -496,7 +547,7 @@ class ControlPlane:
         state = self._checkpoints.get(cid) if cid is not None else None
         if state is not None:
             # Waits only for a manifest publication under way; after it, none can appear.
-            await asyncio.to_thread(state.stop.stop)
+            await self._run_storage(state.stop.stop)
             if state.export is not None and not state.export.done():
                 state.export.cancel()
             if state.cleanup is not None and not state.cleanup.done():
@@ -549,4 +600,5 @@ class ControlPlane:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        self._storage.shutdown(wait=False, cancel_futures=True)
         self.marks.close()

@@ -2,8 +2,9 @@
 
 :func:`mount` adds ``GET {prefix}/status`` and ``POST {prefix}/<op>`` for the
 seven operations to an application. Every route checks the bearer token in
-constant time (401 ``unauthorized``), parses its body once into the
-operation's request model (a body that is not JSON, or does not fit, is 422
+constant time (401 ``unauthorized``, also for a header that is not UTF-8),
+parses its body once into the operation's request model (a body that is not
+JSON, nests deeper than the parser allows, or does not fit, is 422
 ``invalid_request`` naming the field — never a 500), and answers a
 :class:`~workers.protocol.ProtocolError` with its typed body and status. Any
 other exception from a hook is an ordinary server error (500), logged.
@@ -13,12 +14,14 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
+import reprlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..protocol import CONTROL_PREFIX, REQUEST_MODELS, ErrorCode, ProtocolError
 from .control import ControlPlane
@@ -38,6 +41,16 @@ class CheckpointSettings(BaseModel):
     enabled: bool = False
     control_auth_token: str | None = Field(default=None, repr=False)
     lease_grace_seconds: float = Field(default=600.0, gt=0, allow_inf_nan=False)
+    #: The directory every commit and restore must lie under (``ControlPlane(checkpoint_root=...)``):
+    #: absolute; ``None`` refuses every commit and restore (``checkpoint_dir_refused``).
+    checkpoint_root: str | None = Field(default=None, min_length=1, max_length=4096)
+
+    @field_validator("checkpoint_root")
+    @classmethod
+    def _absolute_root(cls, v: str | None) -> str | None:
+        if v is not None and ("\x00" in v or not os.path.isabs(v)):
+            raise ValueError(f"checkpoint.checkpoint_root {v!r} must be an absolute path")
+        return v
 
     def token(self) -> str:
         if not self.control_auth_token:
@@ -54,12 +67,33 @@ def _error(code: ErrorCode, detail: str) -> web.Response:
     return _json(err.body(), err.status)
 
 
+_short = reprlib.Repr()
+_short.maxstring = _short.maxother = 60
+_short.maxlist = _short.maxdict = 3
+_short.maxlevel = 2
+
+
 def _validation_detail(exc: ValidationError) -> str:
+    """Up to five problems, each as ``field: rule (got value)``; values are shortened, never whole."""
     parts = []
     for item in exc.errors()[:5]:
         where = ".".join(str(p) for p in item["loc"]) or "body"
-        parts.append(f"{where}: {item['msg']}")
+        parts.append(f"{where}: {item['msg']} (got {_short.repr(item.get('input'))})")
     return "; ".join(parts)
+
+
+def _authorized(header: str | None, expected: bytes) -> bool:
+    """Compare the ``Authorization`` header with ``Bearer <token>`` in constant time.
+
+    aiohttp decodes header bytes that are not UTF-8 as surrogate escapes, which plain ``.encode()``
+    refuses (it raised, and the request was an unauthenticated 500): the bytes are recovered with
+    ``surrogateescape``, and a header that cannot be turned back into bytes is simply wrong.
+    """
+    try:
+        got = (header or "").encode("utf-8", "surrogateescape")
+    except UnicodeError:
+        return False
+    return hmac.compare_digest(got, expected)
 
 
 def mount(app: web.Application, control: ControlPlane, *, token: str, prefix: str = CONTROL_PREFIX) -> None:
@@ -74,7 +108,7 @@ def mount(app: web.Application, control: ControlPlane, *, token: str, prefix: st
     app[CONTROL_KEY] = control
 
     def authorized(request: web.Request) -> bool:
-        return hmac.compare_digest(request.headers.get("Authorization", "").encode(), expected)
+        return _authorized(request.headers.get("Authorization"), expected)
 
     async def status(request: web.Request) -> web.Response:
         if not authorized(request):
@@ -95,12 +129,15 @@ def mount(app: web.Application, control: ControlPlane, *, token: str, prefix: st
                               f"with client_max_size of at least {CONTROL_MAX_SIZE} bytes")
             try:
                 body = orjson.loads(raw)
-            except orjson.JSONDecodeError:
-                return _error(ErrorCode.INVALID_REQUEST, f"the {op} body is not JSON")
+            except Exception:  # JSONDecodeError, and anything else a parser may raise: the body is bad
+                return _error(ErrorCode.INVALID_REQUEST, f"the {op} body is not JSON (or nests too deep)")
             try:
                 req = model.model_validate(body)
             except ValidationError as exc:
                 return _error(ErrorCode.INVALID_REQUEST, f"invalid {op} request: {_validation_detail(exc)}")
+            except Exception as exc:  # e.g. RecursionError: still the body's fault, never a 500
+                return _error(ErrorCode.INVALID_REQUEST,
+                              f"invalid {op} request: it cannot be validated ({type(exc).__name__})")
             try:
                 reply = await call(req)
             except ProtocolError as exc:

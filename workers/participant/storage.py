@@ -37,25 +37,30 @@ These functions block; participants run them in a worker thread.
 from __future__ import annotations
 
 import collections
+import errno
+import fcntl
 import gc
 import hashlib
 import json
 import os
 import re
-import tempfile
+import secrets
+import stat
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 
-from ..protocol import ID_PATTERN
+from ..protocol import ID_PATTERN, ErrorCode, ProtocolError
 from .codec import check_payload, decode_line, encode_record, invalid, line_key
 
-__all__ = ["MANIFEST", "SCHEMA_VERSION", "WriteStop", "WriteStopped", "check_payload", "encode_record", "invalid",
-           "participant_dir", "read_records", "validate_manifest", "write_records"]
+__all__ = ["MANIFEST", "MANIFEST_MAX_BYTES", "SCHEMA_VERSION", "WriteStop", "WriteStopped", "check_payload", "confine",
+           "encode_record", "invalid", "participant_dir", "read_records", "refused", "resolve_root",
+           "validate_manifest", "write_records"]
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -132,31 +137,175 @@ class _GcPause:
 _gc_paused = _GcPause()
 
 
-# -- paths and durability ------------------------------------------------------------------------
+# -- paths, confinement and durability -----------------------------------------------------------
+
+#: The largest manifest a restore reads (16 MiB; a real one is a few hundred bytes): the manifest is
+#: read whole, so a planted huge file must not be.
+MANIFEST_MAX_BYTES = 16 << 20
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+#: Files read from a checkpoint: never through a symbolic link, and without blocking on open (a FIFO
+#: would block an ``open`` for reading until a writer came; it is refused by ``fstat`` instead).
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def refused(detail: str) -> ProtocolError:
+    """``checkpoint_dir_refused`` (422): a checkpoint directory outside the checkpoint root."""
+    return ProtocolError(ErrorCode.CHECKPOINT_DIR_REFUSED, detail)
+
 
 def participant_dir(checkpoint_dir: str | os.PathLike[str], kind: str, instance: str) -> Path:
-    for label, value in (("kind", kind), ("instance", instance)):
-        if not _NAME.match(value):
-            raise invalid(f"participant {label} {value!r} cannot name a checkpoint directory")
+    """``<checkpoint_dir>/gym/<kind>/<instance>`` (a path to show or to test; storage never opens it
+    by name, see :func:`confine`)."""
+    _check_names(kind, instance)
     return Path(checkpoint_dir) / "gym" / kind / instance
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def _check_names(kind: str, instance: str) -> None:
+    for label, value in (("kind", kind), ("instance", instance)):
+        if not _NAME.match(value):
+            raise invalid(f"participant {label} {value!r} cannot name a checkpoint directory")
+
+
+def resolve_root(root: str | os.PathLike[str]) -> Path:
+    """The checkpoint root as :func:`confine` compares against it: absolute and without symbolic links.
+
+    The root itself is the operator's choice, so links in *its own* path are followed once, here;
+    nothing below it is ever reached through one.
+    """
+    text = os.fspath(root)
+    if not text or "\x00" in text:
+        raise ValueError(f"checkpoint root {text!r} is not a path")
+    return Path(os.path.realpath(os.path.abspath(text)))
+
+
+def confine(root: str | os.PathLike[str], checkpoint_dir: str) -> tuple[Path, tuple[str, ...]]:
+    """Where ``checkpoint_dir`` lies under ``root``: the resolved root and the components below it.
+
+    Rules, each refused with ``checkpoint_dir_refused`` naming it: the directory must be absolute
+    (a relative one would resolve against the participant's working directory); it must have no
+    ``..`` component (which the kernel resolves after symbolic links, not lexically); and it must be
+    ``root`` or lie under it — as configured or as resolved. Symbolic links below the root are
+    refused as each component is opened (:func:`_walk`), never resolved.
+    """
+    given = os.path.abspath(os.fspath(root))
+    real = resolve_root(root)
+    if "\x00" in checkpoint_dir:
+        raise refused(f"checkpoint_dir {checkpoint_dir!r} holds a NUL byte")
+    if not os.path.isabs(checkpoint_dir):
+        raise refused(f"checkpoint_dir {checkpoint_dir!r} is relative; it must be an absolute path under "
+                      f"the checkpoint root {str(real)!r}")
+    parts = PurePosixPath(checkpoint_dir).parts
+    if ".." in parts:
+        raise refused(f"checkpoint_dir {checkpoint_dir!r} has a '..' component; it must name a directory "
+                      f"under the checkpoint root {str(real)!r} directly")
+    for base in (PurePosixPath(real).parts, PurePosixPath(given).parts):
+        if parts[:len(base)] == base:
+            return real, parts[len(base):]
+    raise refused(f"checkpoint_dir {checkpoint_dir!r} is not under the checkpoint root {str(real)!r}")
+
+
+class _Chain:
+    """Open directory descriptors from a top directory down to a participant directory.
+
+    Each component below the top is opened relative to its parent with ``O_NOFOLLOW``, so a symbolic
+    link anywhere below the top — planted before or during the walk — is refused, never followed.
+    """
+
+    def __init__(self, top: Path, names: tuple[str, ...], *, create: bool) -> None:
+        self.paths = [top]
+        self.fds: list[int] = []
+        try:
+            if create:
+                os.makedirs(top, exist_ok=True)
+            self.fds.append(os.open(top, _DIR_FLAGS))
+            for name in names:
+                self.fds.append(self._open_below(self.fds[-1], name, self.paths[-1] / name, create))
+                self.paths.append(self.paths[-1] / name)
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def _open_below(parent: int, name: str, path: Path, create: bool) -> int:
+        for _ in range(2):
+            try:
+                return os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=parent)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                try:
+                    os.mkdir(name, 0o755, dir_fd=parent)
+                except FileExistsError:
+                    pass  # made meanwhile by someone else: open (and check) what is there
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    try:
+                        link = stat.S_ISLNK(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode)
+                    except OSError:
+                        link = exc.errno == errno.ELOOP
+                    if link:
+                        raise refused(f"{path} is a symbolic link; checkpoint directories are never "
+                                      "reached through one") from None
+                raise
+        raise invalid(f"{path} keeps changing while it is opened")
+
+    @property
+    def fd(self) -> int:
+        return self.fds[-1]
+
+    @property
+    def path(self) -> Path:
+        return self.paths[-1]
+
+    def fsync_all(self) -> None:
+        """fsync the participant directory and every directory above it, up to the top."""
+        for fd, path in zip(reversed(self.fds), reversed(self.paths), strict=True):
+            _fsync_dir(fd, path)
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+
+
+def _chain(checkpoint_dir: str | os.PathLike[str], kind: str, instance: str, root: str | os.PathLike[str] | None,
+           *, create: bool) -> _Chain:
+    """The directory chain of a participant directory: from ``root`` (confined) or, without one (a
+    trusted caller), from ``checkpoint_dir`` itself."""
+    _check_names(kind, instance)
+    below: tuple[str, ...] = ()
+    if root is None:
+        top = Path(checkpoint_dir)
+    else:
+        top, below = confine(root, os.fspath(checkpoint_dir))
+    return _Chain(top, (*below, "gym", kind, instance), create=create)
+
+
+def _fsync_dir(fd: int, path: Path) -> None:
+    """fsync one open directory (``path`` names it, for errors and tests)."""
+    os.fsync(fd)
+
+
+def _open_regular(directory: int, name: str, path: Path) -> tuple[int, os.stat_result]:
+    """Open a checkpoint file for reading: not through a link, not blocking, a regular file only."""
     try:
-        os.fsync(fd)
-    finally:
+        fd = os.open(name, _READ_FLAGS, dir_fd=directory)
+    except FileNotFoundError:
+        raise invalid(f"no file at {path}") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise invalid(f"{path} is a symbolic link; checkpoint files are never read through one") from None
+        raise invalid(f"cannot open {path}: {exc.strerror or exc}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise invalid(f"{path} is not a regular file")
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except BaseException:
         os.close(fd)
-
-
-def _fsync_up_to(directory: Path, top: Path) -> None:
-    """fsync ``directory`` and every parent up to and including ``top``."""
-    current = directory
-    while True:
-        _fsync_dir(current)
-        if current == top or current.parent == current:
-            return
-        current = current.parent
+        raise
+    return fd, info
 
 
 # -- writing -------------------------------------------------------------------------------------
@@ -190,6 +339,7 @@ class _Sink:
         self.fd = fd
         self.digest = hashlib.sha256()
         self.count = 0
+        self.size = 0  # bytes of every line added
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="records-writer")
         self._pending: collections.deque[Future[None]] = collections.deque()
         self._batch: list[bytes] = []
@@ -198,6 +348,7 @@ class _Sink:
     def add(self, line: bytes) -> None:
         self._batch.append(line)
         self._size += len(line)
+        self.size += len(line)
         self.count += 1
         if self._size >= _WRITE_BATCH:
             self._submit()
@@ -232,7 +383,7 @@ class _Sink:
 
 def write_records(checkpoint_dir: str | os.PathLike[str], kind: str, instance: str, checkpoint_id: str,
                   records: Iterable[tuple[str, dict[str, Any]]], *,
-                  stop: WriteStop | None = None) -> dict[str, Any]:
+                  stop: WriteStop | None = None, root: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     """Write ``(episode key, record)`` pairs and publish the manifest; return the manifest.
 
     Idempotent for the same records; ``invalid_checkpoint_state`` for a
@@ -240,17 +391,23 @@ def write_records(checkpoint_dir: str | os.PathLike[str], kind: str, instance: s
     record that cannot be written. With ``stop``, :class:`WriteStopped` once it
     is stopped: before each record, and a last time under its lock, which also
     covers the rename of the records file and the manifest's creation.
+
+    With ``root``, ``checkpoint_dir`` must lie under it (:func:`confine`, ``checkpoint_dir_refused``
+    otherwise, before anything is written); every directory below the root is created and opened
+    without following a symbolic link, and every file is created relative to its open directory.
+    Without ``root`` (a trusted caller) the same holds below ``checkpoint_dir``.
     """
-    top = Path(checkpoint_dir)
-    directory = participant_dir(top, kind, instance)
+    label = participant_dir(checkpoint_dir, kind, instance)
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        chain = _chain(checkpoint_dir, kind, instance, root, create=True)
     except OSError as exc:
-        raise invalid(f"directory {directory} cannot hold state: {exc.strerror or exc}") from None
-    tmp_path: Path | None = None
+        raise invalid(f"directory {label} cannot hold state: {exc.strerror or exc}") from None
+    directory, dfd = chain.path, chain.fd
+    tmp_name: str | None = None
     try:
-        fd, raw_tmp = tempfile.mkstemp(dir=directory, prefix=".records.jsonl.")
-        tmp_path = Path(raw_tmp)
+        tmp_name = f".records.jsonl.{secrets.token_hex(8)}"
+        fd = os.open(tmp_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+                     dir_fd=dfd)
         try:
             with _gc_paused():
                 sink = _Sink(fd)
@@ -270,67 +427,104 @@ def write_records(checkpoint_dir: str | os.PathLike[str], kind: str, instance: s
         records_file = f"records-{digest}.jsonl"
         manifest = {"schema_version": SCHEMA_VERSION, "kind": kind, "instance": instance,
                     "checkpoint_id": checkpoint_id, "records_file": records_file,
-                    "records_sha256": digest, "record_count": sink.count}
+                    "records_sha256": digest, "record_count": sink.count, "records_bytes": sink.size}
         guard: AbstractContextManager[Any] = nullcontext() if stop is None else stop._lock
         with guard:
             if stop is not None:
                 stop.check()
-            os.replace(tmp_path, directory / records_file)
-            tmp_path = None
+            os.replace(tmp_name, records_file, src_dir_fd=dfd, dst_dir_fd=dfd)
+            tmp_name = None
             # Every directory on the way down must be durable before the manifest says "done".
-            _fsync_up_to(directory, top)
-            return _publish(directory, manifest)
+            chain.fsync_all()
+            return _publish(chain, manifest)
     except OSError as exc:
         raise invalid(f"cannot write checkpoint state under {directory}: {exc.strerror or exc}") from None
     finally:
-        if tmp_path is not None:
-            tmp_path.unlink(missing_ok=True)
+        try:
+            if tmp_name is not None:
+                try:
+                    os.unlink(tmp_name, dir_fd=dfd)
+                except FileNotFoundError:
+                    pass
+        finally:
+            chain.close()
 
 
-def _publish(directory: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+def _publish(chain: _Chain, manifest: dict[str, Any]) -> dict[str, Any]:
+    directory, dfd = chain.path, chain.fd
     text = json.dumps(manifest, sort_keys=True, indent=1).encode()
-    fd, raw_tmp = tempfile.mkstemp(dir=directory, prefix=".manifest.json.")
-    tmp = Path(raw_tmp)
+    tmp = f".manifest.json.{secrets.token_hex(8)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd)
     try:
         with os.fdopen(fd, "wb") as out:
             out.write(text)
             out.flush()
             os.fsync(out.fileno())
         try:
-            os.link(tmp, directory / MANIFEST)  # never replaces: one commit wins
+            # Never replaces (one commit wins), and never follows a link at either name.
+            os.link(tmp, MANIFEST, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
         except FileExistsError:
-            existing = _load_manifest(directory)
+            existing = _load_manifest(dfd, directory)
             if existing != manifest:
                 if existing.get("records_file") != manifest["records_file"]:
-                    (directory / manifest["records_file"]).unlink(missing_ok=True)
+                    try:
+                        os.unlink(manifest["records_file"], dir_fd=dfd)
+                    except FileNotFoundError:
+                        pass
                 raise invalid(f"{directory} already holds a different commit "
                               f"(checkpoint {existing.get('checkpoint_id')!r})") from None
         # Also on a retry that found its manifest: the write that linked it may have failed here.
-        _fsync_dir(directory)
+        _fsync_dir(dfd, directory)
         return manifest
     finally:
-        tmp.unlink(missing_ok=True)
+        try:
+            os.unlink(tmp, dir_fd=dfd)
+        except FileNotFoundError:
+            pass
 
 
 # -- reading -------------------------------------------------------------------------------------
 
-def _load_manifest(directory: Path) -> dict[str, Any]:
-    path = directory / MANIFEST
+def _load_manifest(directory: int, path: Path) -> dict[str, Any]:
+    """Read ``manifest.json`` of an open participant directory: a regular file, not through a link,
+    at most :data:`MANIFEST_MAX_BYTES`."""
+    where = path / MANIFEST
     try:
-        raw = path.read_bytes()
+        fd, info = _open_regular(directory, MANIFEST, where)
+    except ProtocolError as exc:
+        raise invalid(f"no manifest at {where}: {exc.detail}") from None
+    try:
+        if info.st_size > MANIFEST_MAX_BYTES:
+            raise invalid(f"manifest {where} is {info.st_size} bytes, more than the {MANIFEST_MAX_BYTES} "
+                          "a manifest may hold")
+        chunks: list[bytes] = []
+        size = 0
+        while chunk := os.read(fd, MANIFEST_MAX_BYTES + 1 - size):
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > MANIFEST_MAX_BYTES:
+                raise invalid(f"manifest {where} holds more than the {MANIFEST_MAX_BYTES} bytes a manifest "
+                              "may hold")
     except OSError as exc:
-        raise invalid(f"no manifest at {path}: {exc.strerror or exc}") from None
+        raise invalid(f"cannot read {where}: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
     try:
-        manifest = json.loads(raw)
-    except ValueError:
-        raise invalid(f"manifest {path} is not JSON") from None
+        manifest = json.loads(b"".join(chunks))
+    except (ValueError, RecursionError):
+        raise invalid(f"manifest {where} is not JSON") from None
     if not isinstance(manifest, dict):
-        raise invalid(f"manifest {path} is not a JSON object")
+        raise invalid(f"manifest {where} is not a JSON object")
     return manifest
 
 
 def validate_manifest(manifest: dict[str, Any], kind: str, instance: str) -> None:
-    """Refuse a manifest that is not exactly what :func:`write_records` publishes."""
+    """Refuse a manifest that is not exactly what :func:`write_records` publishes.
+
+    ``records_bytes`` (the records file's size) is written by every commit since it was added and
+    checked when present; a manifest without it (written before) is read up to the records file's
+    size when it is opened — either way never further.
+    """
     fields: dict[str, type | tuple[type, ...]] = {
         "schema_version": int, "kind": str, "instance": str, "checkpoint_id": str, "records_file": str,
         "records_sha256": str, "record_count": int}
@@ -340,6 +534,9 @@ def validate_manifest(manifest: dict[str, Any], kind: str, instance: str) -> Non
         value = manifest[name]
         if not isinstance(value, expected) or isinstance(value, bool):
             raise invalid(f"manifest {name} has the wrong type ({type(value).__name__})")
+    size = manifest.get("records_bytes")
+    if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 0):
+        raise invalid(f"manifest records_bytes {size!r} is not a byte count")
     if manifest["schema_version"] != SCHEMA_VERSION:
         raise invalid(f"manifest schema_version {manifest['schema_version']} is not {SCHEMA_VERSION}")
     if (manifest["kind"], manifest["instance"]) != (kind, instance):
@@ -352,11 +549,14 @@ def validate_manifest(manifest: dict[str, Any], kind: str, instance: str) -> Non
 
 #: Read buffer of the records file: big enough that a long line takes few reads, small next to a record.
 _READ_BUFFER = 256 * 1024
+#: How many lines a restore reads between two looks at its deadline.
+_DEADLINE_EVERY = 1024
 
 
 def read_records(checkpoint_dir: str | os.PathLike[str], kind: str, instance: str,
                  select: Callable[[dict[str, Any]], Any | None], *,
-                 keys: frozenset[str] | None = None) -> tuple[dict[str, Any], list[Any]]:
+                 keys: frozenset[str] | None = None, root: str | os.PathLike[str] | None = None,
+                 deadline: float | None = None) -> tuple[dict[str, Any], list[Any]]:
     """Stream and verify the whole records file; keep what ``select`` returns (not ``None``).
 
     With ``keys`` (the capture keys a restore keeps), a line whose prefix names an episode outside
@@ -364,19 +564,51 @@ def read_records(checkpoint_dir: str | os.PathLike[str], kind: str, instance: st
     drop it; lines of any other form are parsed and given to ``select``. The digest and count
     always cover the whole file. Holds one line, its parsed record and the records kept, never the
     file.
+
+    Confinement and bounds: with ``root``, ``checkpoint_dir`` must lie under it (:func:`confine`);
+    every directory is opened without following a symbolic link; the manifest and the records file
+    are opened with ``O_NOFOLLOW | O_NONBLOCK`` and must be regular files (a FIFO or a device is
+    refused at once, never waited on); the manifest is read up to :data:`MANIFEST_MAX_BYTES`, the
+    records file up to the byte size (``records_bytes``) and the record count the manifest declares
+    — a file that holds more is refused as soon as the excess is read. ``deadline`` (a
+    :func:`time.monotonic` time) is looked at every :data:`_DEADLINE_EVERY` lines; past it the read
+    stops with ``deadline_exceeded``.
     """
-    directory = participant_dir(checkpoint_dir, kind, instance)
-    manifest = _load_manifest(directory)
-    validate_manifest(manifest, kind, instance)
-    path = directory / manifest["records_file"]
+    try:
+        chain = _chain(checkpoint_dir, kind, instance, root, create=False)
+    except OSError as exc:
+        label = participant_dir(checkpoint_dir, kind, instance)
+        raise invalid(f"no manifest at {label / MANIFEST}: {exc.strerror or exc}") from None
+    try:
+        manifest = _load_manifest(chain.fd, chain.path)
+        validate_manifest(manifest, kind, instance)
+        path = chain.path / manifest["records_file"]
+        fd, info = _open_regular(chain.fd, manifest["records_file"], path)
+    finally:
+        chain.close()
+    declared = manifest.get("records_bytes")
+    if declared is not None and info.st_size != declared:
+        os.close(fd)
+        raise invalid(f"{path.name} is {info.st_size} bytes, its manifest says {declared}")
+    left = info.st_size if declared is None else declared
+    most = manifest["record_count"]
     digest = hashlib.sha256()
     count = 0
     kept: list[Any] = []
     try:
-        with open(path, "rb", buffering=_READ_BUFFER) as src, _gc_paused():
-            for line in src:
+        with os.fdopen(fd, "rb", buffering=_READ_BUFFER) as src, _gc_paused():
+            while line := src.readline(left + 1):
+                left -= len(line)
+                if left < 0:
+                    raise invalid(f"{path.name} holds more than the {info.st_size if declared is None else declared} "
+                                  "bytes its manifest declares")
                 digest.update(line)
                 count += 1
+                if count > most:
+                    raise invalid(f"{path.name} holds more than the {most} records its manifest says")
+                if deadline is not None and count % _DEADLINE_EVERY == 0 and time.monotonic() > deadline:
+                    raise ProtocolError(ErrorCode.DEADLINE_EXCEEDED,
+                                        f"reading {path.name} did not finish before the restore's deadline")
                 if keys is not None:
                     key = line_key(line)
                     if key is not None and key not in keys:

@@ -119,9 +119,7 @@ def build_app(args: argparse.Namespace, token: str) -> web.Application:
 
     async def seed(request: web.Request) -> web.Response:
         episode = episode_of(request)
-        prompt = (await read_json(request)).get("prompt")
-        if not isinstance(prompt, str) or not prompt:
-            raise ProtocolError(ErrorCode.INVALID_REQUEST, "prompt must be a non-empty string")
+        prompt = _common.text_field(await read_json(request), "prompt")  # kept in the conversation
         key = episode.rollout_id
         prior = agent.get(key)
         try:

@@ -168,7 +168,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p = _common.parser("environment", "Reference environment server (checkpointable multi-turn episodes).")
     p.add_argument("--agent", required=True, help="base URL of the agent server")
     p.add_argument("--resources", required=True, help="base URL of the resources server")
-    p.add_argument("--step-delay", type=float, default=0.0, help="seconds each step takes (default 0)")
+    p.add_argument("--step-delay", type=_common.finite_float(minimum=0), default=0.0,
+                   help="seconds each step takes (default 0)")
     _common.main(argv, build_app, p)
 
 

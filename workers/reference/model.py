@@ -182,14 +182,14 @@ def build_app(args: argparse.Namespace, token: str) -> web.Application:
 
 def main(argv: Sequence[str] | None = None) -> None:
     p = _common.parser("model", "Reference policy model server (deterministic actions, held responses).")
-    p.add_argument("--step-delay", type=float, default=0.0,
+    p.add_argument("--step-delay", type=_common.finite_float(), default=0.0,
                    help="seconds each generation takes before its response starts (default 0)")
     p.add_argument("--engine", default=None,
                    help="base URL of an inference engine (SGLang's /generate) that generates the actions "
                         "(default: none, the action is the conversation's digest)")
     p.add_argument("--max-tokens", type=int, default=6,
                    help="with --engine: tokens per action (default 6)")
-    p.add_argument("--temperature", type=float, default=1.0,
+    p.add_argument("--temperature", type=_common.finite_float(), default=1.0,
                    help="with --engine: sampling temperature, 0 for greedy (default 1.0)")
     _common.main(argv, build_app, p)
 

@@ -125,10 +125,8 @@ class ReferenceResources(ResourcesParticipant):
 
 
 def _field(body: dict[str, Any], name: str) -> str:
-    value = body.get(name)
-    if not isinstance(value, str) or not value:
-        raise ProtocolError(ErrorCode.INVALID_REQUEST, f"{name} must be a non-empty string")
-    return value
+    """A text field of a data body, bounded (the session keeps it): see :func:`_common.text_field`."""
+    return _common.text_field(body, name)
 
 
 def build_app(args: argparse.Namespace, token: str) -> web.Application:

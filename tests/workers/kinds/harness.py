@@ -43,6 +43,8 @@ async def protocol_errors(request: web.Request, handler: Handler) -> web.StreamR
 class KindServer(Generic[P]):
     def __init__(self, participant: P, state_dir: Path, **options: Any) -> None:
         self.participant = participant
+        # The tests' checkpoints live beside the state directory (both in the test's tmp_path).
+        options.setdefault("checkpoint_root", state_dir.parent)
         self.control = ControlPlane(participant, state_dir=state_dir, **options)
         self.app = web.Application(middlewares=[protocol_errors])
         mount(self.app, self.control, token=TOKEN)
