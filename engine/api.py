@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Awaitable, Callable
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any
 
 import sqlalchemy as sa
@@ -29,10 +29,12 @@ from aiohttp import web
 
 from journal import KindRegistry, audit, lease, models
 from journal.audit import EventFilter
+from workers.http_limits import limits_middleware
 
 from .leader import LEASE_NAME
 from .service import Orchestrator
 
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 ORCH: web.AppKey[Orchestrator] = web.AppKey("orchestrator", Orchestrator)
 EVENT_PARAMS = {"kind", "entity", "state", "since", "until", "after", "limit"}
 
@@ -70,7 +72,11 @@ def _time(q: dict[str, str], name: str) -> datetime | None:
         raise QueryError(name, raw, "must be an ISO-8601 timestamp with a timezone") from None
     if value.tzinfo is None:
         raise QueryError(name, raw, "must carry a timezone (e.g. 2026-11-30T10:00:00+00:00)")
-    return value
+    try:
+        # Compared in UTC: near year 1 or 9999 an offset pushes it out of the representable range.
+        return value.astimezone(timezone.utc)
+    except OverflowError:
+        raise QueryError(name, raw, "is out of range once converted to UTC") from None
 
 
 #: States of records that are not entities (the lease log).
@@ -103,6 +109,26 @@ def parse_event_filter(q: dict[str, str], kinds: KindRegistry) -> EventFilter:
                        limit=_int(q, "limit", 100, 1, audit.MAX_PAGE))
 
 
+def bearer_matches(header: str, token: str | None) -> bool:
+    """Whether ``Authorization: <header>`` carries ``token``, in constant time. A header aiohttp
+    could not decode as UTF-8 (it keeps such bytes as surrogates) is simply not the token."""
+    if not token or not header.startswith("Bearer "):
+        return False
+    return hmac.compare_digest(header[7:].encode("utf-8", "surrogateescape"), token.encode())
+
+
+@web.middleware
+async def refuse_nul(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A NUL in the path or the query is refused before any route reads it (PostgreSQL text cannot
+    hold one, and no id or parameter is allowed one)."""
+    if "\x00" in request.path:
+        return error(404, "not_found", "no route or entity has a NUL character in its path")
+    for name, value in request.query.items():
+        if "\x00" in name or "\x00" in value:
+            return error(400, "invalid_query", f"query parameter {name[:80]!r}: must not contain a NUL character")
+    return await handler(request)
+
+
 def single_values(query: Any) -> dict[str, str]:
     """The query as a plain mapping; a parameter given twice is refused, not half-read."""
     out: dict[str, str] = {}
@@ -126,17 +152,12 @@ def participant_json(m: Any) -> dict[str, Any]:
             "updated_at": m["updated_at"].isoformat()}
 
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
 def make_app(orch: Orchestrator) -> web.Application:
     token = orch.settings.token()
 
     def mutating(handler: Handler) -> Handler:
         async def wrapped(request: web.Request) -> web.StreamResponse:
-            header = request.headers.get("Authorization", "")
-            given = header[7:] if header.startswith("Bearer ") else ""
-            if not token or not hmac.compare_digest(given.encode(), token.encode()):
+            if not bearer_matches(request.headers.get("Authorization", ""), token):
                 return error(401, "unauthorized", "missing or wrong bearer token")
             if not orch.is_leader:
                 current = await lease.read_lease(orch.journal, LEASE_NAME)
@@ -207,7 +228,7 @@ def make_app(orch: Orchestrator) -> web.Application:
             orch.reconciler.enqueue("participants", n)
         return web.json_response({"queued": names}, status=202)
 
-    app = web.Application()
+    app = web.Application(middlewares=[limits_middleware(orch.settings.api.body_timeout_s), refuse_nul])
     app[ORCH] = orch
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)

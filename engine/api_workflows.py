@@ -21,8 +21,8 @@ refusal is a typed error naming the field, the value and the rule, and writes no
 
 from __future__ import annotations
 
-import asyncio
 import json
+import math
 import os
 import secrets
 import time
@@ -43,7 +43,9 @@ from workers.protocol import CheckpointId, EpisodeId
 from .api import QueryError, _int, error, single_values
 from .committer import NotLeader
 from .controllers.checkpoint import STAGES, start_checkpoint
-from .controllers.restore import CheckpointNotFound, resolve_checkpoint, start_restore
+from .confined import DirectoryRefused, confine, roots
+from .confined import run as run_file_work
+from .controllers.restore import CheckpointNotFound, read_latest, read_manifest, start_restore
 from .controllers.retirement import InvalidRetirement, request_retirement
 from .progress import STAGE_NAMES, TERMINAL
 from .service import Orchestrator
@@ -93,10 +95,14 @@ class StartRestore(_Body):
     directory: Directory | None = None
 
 
+#: The highest attempt number a request may name (a participant keeps attempts as 64-bit integers).
+MAX_ATTEMPT = 2**31 - 1
+
+
 class Retire(_Body):
     """``POST /v1/rollouts/{id}/retire``: retire this attempt of the rollout (and every earlier one)."""
 
-    attempt: int = Field(ge=0, strict=True)
+    attempt: int = Field(ge=0, le=MAX_ATTEMPT, strict=True)
 
 
 class Forget(_Body):
@@ -133,20 +139,67 @@ def validation_error(exc: ValidationError) -> ApiError:
     return ApiError(422, "invalid_body", "; ".join(parts), first)
 
 
+#: Deepest nesting of arrays and objects a request body may have.
+MAX_DEPTH = 32
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:40]} is out of the range of a double")
+    return value
+
+
+def check_json(data: Any) -> None:
+    """Refuse (422, naming where) what no route stores: nesting deeper than :data:`MAX_DEPTH` and
+    NUL characters in keys or strings (PostgreSQL's text cannot hold them)."""
+    stack: list[tuple[Any, str, int]] = [(data, "body", 0)]
+    while stack:
+        value, where, depth = stack.pop()
+        if isinstance(value, str):
+            if "\x00" in value:
+                raise ApiError(422, "invalid_body", f"{where}: must not contain a NUL character", where)
+            continue
+        if not isinstance(value, dict | list):
+            continue
+        if depth >= MAX_DEPTH:
+            raise ApiError(422, "invalid_body", f"{where}: nested deeper than {MAX_DEPTH} levels", where)
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if "\x00" in k:
+                    raise ApiError(422, "invalid_body", f"{where}: a key must not contain a NUL character", where)
+                stack.append((v, f"{where}.{k}" if where != "body" else k, depth + 1))
+        else:
+            stack.extend((v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value))
+
+
 async def read_body(request: web.Request, model: type[B]) -> B:
-    """The request body validated into ``model`` (an empty body is ``{}``)."""
+    """The request body validated into ``model`` (an empty body is ``{}``).
+
+    Refused with a typed error, never a 500: a query string (400), a body that is not a JSON
+    object, is not UTF-8, holds ``NaN``/``Infinity``, nests deeper than :data:`MAX_DEPTH` or
+    carries a NUL (422, see :func:`check_json`), and whatever ``model`` rejects (422 naming the
+    field, the value and the rule).
+    """
     for name in request.query:
-        raise ApiError(400, "invalid_query", f"query parameter {name}={request.query[name]!r}: "
+        raise ApiError(400, "invalid_query", f"query parameter {_shown(name)}={_shown(request.query[name])}: "
                                              "unknown parameter (this route takes a JSON body)")
     raw = await request.read()
     data: Any = {}
     if raw.strip():
         try:
-            data = json.loads(raw)
-        except ValueError as exc:
-            raise ApiError(422, "invalid_body", f"body: not JSON ({exc})", "body") from None
+            data = json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite)
+        except RecursionError:
+            raise ApiError(422, "invalid_body", f"body: nested deeper than {MAX_DEPTH} levels", "body") from None
+        except ValueError as exc:  # also UnicodeDecodeError
+            raise ApiError(422, "invalid_body", f"body: not JSON ({str(exc)[:200]})", "body") from None
     if not isinstance(data, dict):
         raise ApiError(422, "invalid_body", f"body: must be a JSON object, got {type(data).__name__}", "body")
+    check_json(data)
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -274,9 +327,18 @@ def add_workflow_routes(app: web.Application, orch: Orchestrator, mutating: Call
             raise ApiError(503, "workflow_unavailable", f"this orchestrator runs no {kind} controller, so nothing "
                                                         f"would advance the request; nothing was written")
 
+    allowed = roots(orch.settings.checkpoint.directory, orch.settings.checkpoint.roots)
+
     def directory_of(given: str | None) -> str:
-        # Absolute: participants and the orchestrator need not share a working directory.
-        return os.path.abspath(given or orch.settings.checkpoint.directory)
+        """The real path of the directory a request names (default: ``checkpoint.directory``), confined
+        to the configured roots. Absolute: participants and the orchestrator need not share a
+        working directory."""
+        if given is None:
+            return allowed[0]
+        try:
+            return confine(given, allowed)
+        except DirectoryRefused as exc:
+            raise ApiError(422, "directory_refused", f"directory={exc}", "directory") from None
 
     async def checkpoints_start(request: web.Request) -> web.Response:
         body = await read_body(request, StartCheckpoint)
@@ -341,12 +403,34 @@ def add_workflow_routes(app: web.Application, orch: Orchestrator, mutating: Call
     async def restores_start(request: web.Request) -> web.Response:
         body = await read_body(request, StartRestore)
         controlled("restores")
-        directory = directory_of(body.directory)
+        given = None if body.directory is None else directory_of(body.directory)
+        cid = body.checkpoint_id
+        if cid is None:
+            given = given or allowed[0]
+            try:
+                cid = await run_file_work(read_latest, given)
+            except (CheckpointNotFound, TimeoutError):
+                # One answer whatever is there (nothing, a FIFO, garbage): a refusal reveals no paths.
+                raise ApiError(404, "not_found", "no published checkpoint is named by LATEST in the directory; "
+                                                 "give checkpoint_id", "checkpoint_id") from None
+        published = await published_checkpoint(cid)
+        directory = directory_of(published["directory"])
+        if given is not None and given != directory:
+            raise ApiError(409, "checkpoint_mismatch", f"checkpoint {cid!r} was published under "
+                                                       f"{published['directory']}, not {given}", "directory")
         try:
-            cid, scope = await asyncio.to_thread(resolve_checkpoint, directory, body.checkpoint_id)
-        except CheckpointNotFound as exc:
-            raise ApiError(404, "not_found", f"checkpoint {body.checkpoint_id or '(LATEST)'}: {exc}",
-                           "checkpoint_id") from None
+            manifest = await run_file_work(read_manifest, directory, cid)
+        except (CheckpointNotFound, TimeoutError) as exc:
+            reason = exc.reason if isinstance(exc, CheckpointNotFound) else "reading it timed out"
+            raise ApiError(409, "checkpoint_mismatch", f"checkpoint {cid!r} is published in the journal but its "
+                                                       f"manifest cannot be used: {reason}", "checkpoint_id") from None
+        differs = [what for what, ok in (("scope", sorted(manifest["scope"]) == sorted(published["scope"])),
+                                          ("members", manifest.get("members") == published["members"])) if not ok]
+        if differs:
+            raise ApiError(409, "checkpoint_mismatch", f"checkpoint {cid!r}: the {' and '.join(differs)} in its "
+                                                       "checkpoint.json differ from what the journal recorded at "
+                                                       "publication; nothing was restored", "checkpoint_id")
+        scope = list(manifest["scope"])
         rid = new_id("rs")
 
         async def write(tx: WriteTx) -> None:
@@ -355,6 +439,26 @@ def add_workflow_routes(app: web.Application, orch: Orchestrator, mutating: Call
         await orch.committer.run(write)
         return web.json_response({"restore_id": rid, "checkpoint_id": cid, "directory": directory,
                                   "episodes": len(scope)}, status=202, headers={"Location": f"/v1/restores/{rid}"})
+
+    async def published_checkpoint(cid: str) -> dict[str, Any]:
+        """The journal's record of checkpoint ``cid`` (directory, scope, members' manifests): refused
+        unless the journal says it was published."""
+        c, m = models.checkpoints, models.checkpoint_members
+        async with orch.journal.read(snapshot=True) as conn:
+            row = (await conn.execute(sa.select(c.c.state, c.c.checkpoint_dir, c.c.scope, c.c.manifest_path)
+                                      .where(c.c.id == cid))).first()
+            members = [] if row is None else (await conn.execute(
+                sa.select(m.c.participant, m.c.kind, m.c.manifest, m.c.episode_ids)
+                .where(m.c.checkpoint_id == cid))).all()
+        if row is None:
+            raise ApiError(404, "not_found", f"no checkpoint {cid!r} in the journal", "checkpoint_id")
+        if row.state != "done" or row.manifest_path is None:
+            raise ApiError(409, "checkpoint_not_published", f"checkpoint {cid!r} is {row.state}: only a checkpoint "
+                                                            "the journal records as published (done) can be restored",
+                           "checkpoint_id")
+        return {"directory": row.checkpoint_dir, "scope": row.scope or [],
+                "members": {r.participant: {"kind": r.kind, "manifest": r.manifest, "episode_ids": r.episode_ids}
+                            for r in members}}
 
     def retirement(op: str) -> Handler:
         async def handler(request: web.Request) -> web.Response:

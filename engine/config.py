@@ -24,7 +24,10 @@ from journal import JournalURL, UnsupportedJournalURL
 
 TOKEN_ENV = "TIDELOG_CONTROL_TOKEN"
 CONFIG_ENV = "TIDELOG_CONFIG"
-_USERINFO = re.compile(r"(://)[^/@\s]*@")
+#: A URL's user information: a user name, then (after ``:``) a password that may hold ``/``,
+#: ``@`` and anything else, up to the LAST ``@`` in the value. Hiding too much (``x:1/a@b``) is
+#: harmless; hiding too little would leak part of a password.
+_USERINFO = re.compile(r"(://)[^:/@\s]*(?::[\s\S]*)?@")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -40,7 +43,8 @@ class ConfigError(Exception):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # No infinities or NaN anywhere: `.inf` passes `gt=0` and would mean "never" (a lease never held).
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class JournalSettings(_Strict):
@@ -59,10 +63,12 @@ class JournalSettings(_Strict):
 
 
 class OrchestratorSettings(_Strict):
-    id: str | None = Field(default=None, description="holder id in the lease; default host-pid-random")
-    lease_ttl_s: float = Field(default=10.0, gt=0)
-    lease_renew_s: float = Field(default=3.0, gt=0)
-    shutdown_grace_s: float = Field(default=10.0, ge=0)
+    # The id is written into every event's actor: short and printable.
+    id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$",
+                           description="holder id in the lease; default host-pid-random")
+    lease_ttl_s: float = Field(default=10.0, gt=0, le=3600)
+    lease_renew_s: float = Field(default=3.0, gt=0, le=3600)
+    shutdown_grace_s: float = Field(default=10.0, ge=0, le=3600)
 
     @model_validator(mode="after")
     def _renew_below_ttl(self) -> OrchestratorSettings:
@@ -77,6 +83,10 @@ class OrchestratorSettings(_Strict):
 class ApiSettings(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(default=8470, ge=0, le=65535)
+    #: A connection must deliver a whole request head this soon after it opens (or after a reply).
+    header_timeout_s: float = Field(default=15.0, gt=0, le=3600)
+    #: A request body must arrive whole this soon after its head.
+    body_timeout_s: float = Field(default=30.0, gt=0, le=3600)
 
 
 class ControlSettings(_Strict):
@@ -85,7 +95,7 @@ class ControlSettings(_Strict):
 
 class ReconcilerSettings(_Strict):
     concurrency: int = Field(default=16, ge=1, le=1024)
-    resync_interval_s: float = Field(default=30.0, gt=0)
+    resync_interval_s: float = Field(default=30.0, gt=0, le=86_400)
     max_batch: int = Field(default=256, ge=1, le=10_000)
 
 
@@ -93,30 +103,33 @@ class DispatcherSettings(_Strict):
     # A checkpoint stage fans out to every participant of a kind at once: keep room for a stage.
     concurrency: int = Field(default=256, ge=1, le=4096)
     batch: int = Field(default=256, ge=1, le=10_000)
-    poll_s: float = Field(default=1.0, gt=0)
-    backoff_base_s: float = Field(default=0.5, gt=0)
-    backoff_cap_s: float = Field(default=30.0, gt=0)
+    poll_s: float = Field(default=1.0, gt=0, le=3600)
+    backoff_base_s: float = Field(default=0.5, gt=0, le=3600)
+    backoff_cap_s: float = Field(default=30.0, gt=0, le=86_400)
 
 
 class RpcSettings(_Strict):
-    control_pool: int = Field(default=64, ge=1)
-    control_per_host: int = Field(default=8, ge=0)
-    data_pool: int = Field(default=16, ge=1)
+    control_pool: int = Field(default=64, ge=1, le=65_536)
+    control_per_host: int = Field(default=8, ge=0, le=65_536)
+    data_pool: int = Field(default=16, ge=1, le=65_536)
     transport_tries: int = Field(default=3, ge=1, le=20)
-    retry_backoff_s: float = Field(default=0.2, ge=0)
+    retry_backoff_s: float = Field(default=0.2, ge=0, le=3600)
 
 
 class DiscoverySettingsModel(_Strict):
     probe_timeout_s: float = Field(default=5.0, gt=0, le=600)
     probe_tries: int = Field(default=3, ge=1, le=20)
-    interval_s: float = Field(default=30.0, gt=0)
-    max_backoff_s: float = Field(default=600.0, gt=0)
+    interval_s: float = Field(default=30.0, gt=0, le=86_400)
+    max_backoff_s: float = Field(default=600.0, gt=0, le=86_400)
 
 
 class CheckpointWorkflowSettings(_Strict):
     """The checkpoint, restore, retire and forget workflows (docs/checkpointing.md)."""
 
     directory: str = "./checkpoints"
+    #: Further directories a request may name (``POST /v1/checkpoints``/``/v1/restores``), besides
+    #: ``directory``; a request naming any other place is refused (docs/security.md).
+    roots: list[str] = Field(default_factory=list, max_length=64)
     prepare_timeout_s: float = Field(default=30.0, gt=0, le=86_400)
     commit_timeout_s: float = Field(default=120.0, gt=0, le=86_400)
     resume_timeout_s: float = Field(default=30.0, gt=0, le=86_400)
@@ -168,8 +181,8 @@ class EngineEntry(ParticipantEntry):
 class TrainerSettingsModel(_Strict):
     """The trainer rank's constructor (``workers.trainer.worker.Trainer``)."""
 
-    seed: int = Field(default=0, ge=0)
-    lr: float = Field(default=0.05, gt=0)
+    seed: int = Field(default=0, ge=0, le=2**63 - 1)
+    lr: float = Field(default=0.05, gt=0, le=1e6)
     device: str | None = None
     #: Its durable step record (``step.json``): the evidence that settles an ambiguous job.
     state_dir: str = "./training/trainer"

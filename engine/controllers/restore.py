@@ -46,6 +46,7 @@ from journal import Transition, WriteTx, models
 from journal.writes import Row, to_row
 from workers.protocol import CONTROL_PREFIX, ID_PATTERN, EpisodeId
 
+from ..confined import UnsafeFile, read_file
 from ..reconciler import Context, Result
 from .fanout import Member, fan_out, healthy, participant_rows, timings
 from .retirement import RETIRE_ORDER
@@ -74,39 +75,55 @@ class RestoreSettings:
     resume_timeout_s: float = 30.0
 
 
-def resolve_checkpoint(checkpoint_dir: str, checkpoint_id: str | None = None) -> tuple[str, list[str]]:
-    """The checkpoint's id (``<dir>/LATEST`` when ``None``) and scope (capture keys).
+#: Largest ``LATEST`` pointer and checkpoint manifest the orchestrator reads (docs/security.md).
+LATEST_LIMIT = 4096
+MANIFEST_LIMIT = 64 << 20
 
-    Blocking file reads (run it in a thread from async code). Raises
-    :class:`CheckpointNotFound` naming the path when ``LATEST`` or
-    ``<dir>/<id>/checkpoint.json`` is missing, unreadable or corrupt.
-    """
+
+def _read(root: Path, parts: tuple[str, ...], limit: int, missing: str, what: str) -> bytes:
+    path = root.joinpath(*parts)
+    try:
+        return read_file(str(root), parts, limit)
+    except FileNotFoundError:
+        raise CheckpointNotFound(path, missing) from None
+    except UnsafeFile as exc:
+        raise CheckpointNotFound(path, f"refused to read the {what}: {exc.strerror}") from None
+    except OSError as exc:
+        raise CheckpointNotFound(path, f"cannot read the {what}: {exc.strerror or exc}") from None
+
+
+def read_latest(checkpoint_dir: str) -> str:
+    """The checkpoint id ``<dir>/LATEST`` names (blocking; see :func:`resolve_checkpoint`)."""
     root = Path(checkpoint_dir)
-    if checkpoint_id is None:
-        latest = root / "LATEST"
-        try:
-            checkpoint_id = latest.read_text(encoding="utf-8").strip()
-        except FileNotFoundError:
-            raise CheckpointNotFound(latest, "no LATEST pointer: no checkpoint was published here") from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise CheckpointNotFound(latest, f"cannot read the LATEST pointer: {exc}") from None
-        if not re.match(ID_PATTERN, checkpoint_id):
-            raise CheckpointNotFound(latest, f"does not name a checkpoint: {checkpoint_id[:80]!r}")
-    elif not re.match(ID_PATTERN, checkpoint_id) or len(checkpoint_id) > 128:
+    raw = _read(root, ("LATEST",), LATEST_LIMIT, "no LATEST pointer: no checkpoint was published here",
+                "LATEST pointer")
+    try:
+        checkpoint_id = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise CheckpointNotFound(root / "LATEST", "the LATEST pointer is not UTF-8 text") from None
+    if not re.match(ID_PATTERN, checkpoint_id) or len(checkpoint_id) > 128:
+        raise CheckpointNotFound(root / "LATEST", f"does not name a checkpoint: {checkpoint_id[:80]!r}")
+    return checkpoint_id
+
+
+def read_manifest(checkpoint_dir: str, checkpoint_id: str) -> dict[str, Any]:
+    """``<dir>/<id>/checkpoint.json``, checked to be a manifest of that checkpoint with a valid scope."""
+    root = Path(checkpoint_dir)
+    if not re.match(ID_PATTERN, checkpoint_id) or len(checkpoint_id) > 128:
         raise CheckpointNotFound(root / checkpoint_id, "not a valid checkpoint id")
     path = root / checkpoint_id / "checkpoint.json"
+    raw = _read(root, (checkpoint_id, "checkpoint.json"), MANIFEST_LIMIT,
+                f"checkpoint {checkpoint_id!r} was never published here", "checkpoint manifest")
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CheckpointNotFound(path, f"checkpoint {checkpoint_id!r} was never published here") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise CheckpointNotFound(path, f"cannot read the checkpoint manifest: {exc}") from None
+        manifest = json.loads(raw)
+    except RecursionError:
+        raise CheckpointNotFound(path, "the checkpoint manifest is nested too deeply") from None
     except ValueError as exc:
         raise CheckpointNotFound(path, f"the checkpoint manifest is not JSON: {exc}") from None
     if not isinstance(manifest, dict):
         raise CheckpointNotFound(path, "the checkpoint manifest is not a JSON object")
     if manifest.get("checkpoint_id") != checkpoint_id:
-        raise CheckpointNotFound(path, f"the manifest names checkpoint {manifest.get('checkpoint_id')!r}, "
+        raise CheckpointNotFound(path, f"the manifest names checkpoint {str(manifest.get('checkpoint_id'))[:80]!r}, "
                                        f"not {checkpoint_id!r}")
     scope = manifest.get("scope")
     if not isinstance(scope, list) or not all(isinstance(k, str) for k in scope):
@@ -115,8 +132,23 @@ def resolve_checkpoint(checkpoint_dir: str, checkpoint_id: str | None = None) ->
         try:
             EpisodeId.from_capture_key(key)
         except ValueError:
-            raise CheckpointNotFound(path, f"the manifest's scope holds an invalid capture key {key!r}") from None
-    return checkpoint_id, list(scope)
+            raise CheckpointNotFound(path, f"the manifest's scope holds an invalid capture key {key[:80]!r}") from None
+    return manifest
+
+
+def resolve_checkpoint(checkpoint_dir: str, checkpoint_id: str | None = None) -> tuple[str, list[str]]:
+    """The checkpoint's id (``<dir>/LATEST`` when ``None``) and scope (capture keys).
+
+    Blocking file reads (run it on :data:`engine.confined.FILES` from async code, through
+    :func:`engine.confined.run`). Files are read as :func:`engine.confined.read_file` reads them:
+    no symlink below ``checkpoint_dir``, regular files only, at most :data:`LATEST_LIMIT` and
+    :data:`MANIFEST_LIMIT` bytes. Raises :class:`CheckpointNotFound` naming the path when
+    ``LATEST`` or ``<dir>/<id>/checkpoint.json`` is missing, unreadable, unsafe or corrupt.
+    """
+    if checkpoint_id is None:
+        checkpoint_id = read_latest(checkpoint_dir)
+    manifest = read_manifest(checkpoint_dir, checkpoint_id)
+    return checkpoint_id, list(manifest["scope"])
 
 
 async def start_restore(tx: WriteTx, restore_id: str, checkpoint_dir: str, checkpoint_id: str,
@@ -262,5 +294,5 @@ class RestoreController:
         return ops
 
 
-__all__ = ["RESUME_ORDER", "CheckpointNotFound", "RestoreController", "RestoreSettings", "resolve_checkpoint",
+__all__ = ["LATEST_LIMIT", "MANIFEST_LIMIT", "RESUME_ORDER", "CheckpointNotFound", "read_latest", "read_manifest", "RestoreController", "RestoreSettings", "resolve_checkpoint",
            "start_restore"]

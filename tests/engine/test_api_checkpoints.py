@@ -102,7 +102,7 @@ async def test_a_checkpoint_started_through_the_api_is_published_and_shown(
     stack = await start_stack(procs, state_dirs(tmp_path / "state"), env_delay=0.2)
     runs = [asyncio.create_task(controller.run(stack.url("environment"), f"r{i}", {"prompt": f"p{i}", "turns": 3}))
             for i in range(3)]
-    async with served(settings(journal_url, stack, prepare_timeout_s=10)) as (base, orch):
+    async with served(settings(journal_url, stack, prepare_timeout_s=10, roots=[str(tmp_path)])) as (base, orch):
         await wait_healthy(base)
         status, started = await call("POST", f"{base}/v1/checkpoints", headers=AUTH,
                                      json={"directory": str(tmp_path / "ckpts")})
@@ -162,7 +162,7 @@ async def test_an_open_checkpoint_is_aborted_through_the_api(
     stack = await start_stack(procs, state_dirs(tmp_path / "state"), env_delay=3.0)
     run = asyncio.create_task(controller.run(stack.url("environment"), "slow", {"prompt": "p", "turns": 1}))
     await asyncio.sleep(3.5)
-    async with served(settings(journal_url, stack, prepare_timeout_s=60)) as (base, orch):
+    async with served(settings(journal_url, stack, prepare_timeout_s=60, roots=[str(tmp_path)])) as (base, orch):
         await wait_healthy(base)
         status, started = await call("POST", f"{base}/v1/checkpoints", headers=AUTH,
                                      json={"checkpoint_id": "ck-held", "directory": str(tmp_path / "ckpts")})
@@ -206,7 +206,7 @@ async def test_a_published_checkpoint_is_restored_through_the_api_into_fresh_par
     runs = [asyncio.create_task(controller.run(stack.url("environment"), f"r{i}", {"prompt": f"p{i}", "turns": 3}))
             for i in range(2)]
     await asyncio.sleep(0.5)
-    async with served(settings(journal_url, stack, prepare_timeout_s=10)) as (base, _):
+    async with served(settings(journal_url, stack, prepare_timeout_s=10, roots=[str(tmp_path)])) as (base, _):
         await wait_healthy(base)
         status, started = await call("POST", f"{base}/v1/checkpoints", headers=AUTH,
                                      json={"checkpoint_id": "ck-r", "directory": str(tmp_path / "ckpts")})
@@ -217,7 +217,7 @@ async def test_a_published_checkpoint_is_restored_through_the_api_into_fresh_par
     await asyncio.gather(*runs, return_exceptions=True)
 
     fresh = await start_stack(procs, dirs)
-    async with served(settings(journal_url, fresh)) as (base, _):
+    async with served(settings(journal_url, fresh, roots=[str(tmp_path)])) as (base, _):
         await wait_healthy(base)
 
         async def moved() -> bool:  # discovery re-synced the new URLs

@@ -42,7 +42,7 @@ async def test_checkpoint_wait_shows_progress_and_exits_0_then_retire_and_forget
     runs = [asyncio.create_task(controller.run(stack.url("environment"), f"r{i}", {"prompt": f"p{i}", "turns": 3}))
             for i in range(2)]
     await asyncio.sleep(0.4)
-    async with served(settings(journal_url, stack, prepare_timeout_s=10)) as (base, _):
+    async with served(settings(journal_url, stack, prepare_timeout_s=10, roots=[str(tmp_path)])) as (base, _):
         await wait_healthy(base)
         rc, out, err = await tidelog("checkpoint", "--url", base, "--id", "ck-cli", "--directory",
                                      str(tmp_path / "ckpts"))
@@ -86,7 +86,7 @@ async def test_a_checkpoint_aborted_from_another_command_exits_1_with_the_reason
     stack = await start_stack(procs, state_dirs(tmp_path / "state"), env_delay=4.0)
     run = asyncio.create_task(controller.run(stack.url("environment"), "slow", {"prompt": "p", "turns": 1}))
     await asyncio.sleep(4.5)
-    async with served(settings(journal_url, stack, prepare_timeout_s=60)) as (base, _):
+    async with served(settings(journal_url, stack, prepare_timeout_s=60, roots=[str(tmp_path)])) as (base, _):
         await wait_healthy(base)
         first = asyncio.create_task(tidelog("checkpoint", "--url", base, "--id", "ck-held", "--directory",
                                             str(tmp_path / "ckpts")))
@@ -120,7 +120,9 @@ async def test_bad_input_and_an_unreachable_api_exit_2(journal_url: str, tmp_pat
                 (("retire", "r1", "--attempt", "-1", "--url", base), {}, "attempt=-1: Input should be greater than"),
                 (("retire", "r1-a1", "--attempt", "0", "--url", base), {}, "rollout_id='r1-a1'"),
                 (("retire", "r1", "--url", base), {}, "the following arguments are required: --attempt"),
-                (("restore", "--url", base, "--directory", str(tmp_path / "none")), {}, "HTTP 404 not_found"),
+                # Outside the configured roots (light_settings names none beyond the default).
+                (("restore", "--url", base, "--directory", str(tmp_path / "none")), {},
+                 "HTTP 422 directory_refused: directory="),
                 (("checkpoint", "--url", base, "--show", "nope"), {}, "HTTP 404 not_found: no checkpoints row 'nope'"),
                 (("checkpoint", "--url", base, "--abort", "x", "--id", "y"), {}, "do not go with --abort"),
                 (("checkpoint", "--url", "http://127.0.0.1:1"), {}, "cannot reach the orchestrator's API"),

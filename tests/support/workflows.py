@@ -60,7 +60,9 @@ def state_dirs(root: Path) -> dict[str, Path]:
     return {kind: root / kind for kind in KINDS}
 
 
-def settings(journal_url: str, stack: Stack, **checkpoint: float) -> Settings:
+def settings(journal_url: str, stack: Stack, **checkpoint: Any) -> Settings:
+    """The orchestrator's settings for ``stack``; ``checkpoint`` overrides keys of ``checkpoint:``
+    (``roots=[...]`` lets requests name directories there)."""
     return Settings.model_validate({
         "checkpoint": {"commit_timeout_s": 20, "resume_timeout_s": 10, **checkpoint},
         "journal": {"url": journal_url},
