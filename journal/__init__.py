@@ -7,7 +7,17 @@ audit with :mod:`journal.audit`. This package imports no HTTP, Ray or torch.
 """
 
 from .batch import Create, Transition
-from .database import Committed, Fence, Journal, JournalURL, utcnow
+from .database import (
+    Committed,
+    Fence,
+    InvalidJournalURL,
+    Journal,
+    JournalNotFound,
+    JournalUnreadable,
+    JournalURL,
+    ReadOnlyJournal,
+    utcnow,
+)
 from .errors import (
     ConstraintViolation,
     DuplicateEntity,
@@ -29,7 +39,7 @@ from .writes import Row, WriteTx
 
 __all__ = [
     "Committed", "ConstraintViolation", "Create", "DuplicateEntity", "EntityKind", "EntityNotFound", "Fence", "IllegalTransition",
-    "InvalidColumn", "InvalidPayload", "Journal", "JournalError", "JournalURL", "KindRegistry",
-    "LeaseLost", "Row", "SchemaMismatch", "StaleRow", "StateMachine", "Transition", "UnknownEntityKind",
+    "InvalidColumn", "InvalidJournalURL", "InvalidPayload", "Journal", "JournalError", "JournalNotFound",
+    "JournalURL", "JournalUnreadable", "KindRegistry", "LeaseLost", "ReadOnlyJournal", "Row", "SchemaMismatch", "StaleRow", "StateMachine", "Transition", "UnknownEntityKind",
     "UnknownState", "UnsupportedJournalURL", "WriteTx", "builtin_kinds", "utcnow",
 ]

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
-from journal import Journal, JournalURL, UnsupportedJournalURL
+import pytest
+import sqlalchemy as sa
+
+from journal import (
+    InvalidJournalURL,
+    Journal,
+    JournalNotFound,
+    JournalURL,
+    ReadOnlyJournal,
+    UnsupportedJournalURL,
+)
 
 
 @pytest.mark.parametrize("raw, database", [
@@ -83,3 +93,118 @@ def test_journal_open_parses_and_reports_backend() -> None:
     assert journal.url.url.drivername == "postgresql+asyncpg"
     with pytest.raises(UnsupportedJournalURL):
         Journal.open("oracle://u@h/db")
+
+
+# -- issue 13: query arguments, passwords holding '/' and '@', read-only opening -------------------
+
+@pytest.mark.parametrize("raw, argument, known", [
+    ("sqlite+aiosqlite:///x.db?foo=1", "foo", "none"),
+    ("sqlite:///x.db?timeout=5", "timeout", "none"),
+    ("postgresql+asyncpg://u@h/db?bogus=1", "bogus", "command_timeout, host, passfile, prepared_statement_cache_size, "
+                                                    "ssl, target_session_attrs"),
+    ("postgres://u@h/db?application_name=x", "application_name", "ssl"),
+])
+def test_an_unknown_query_argument_is_named_with_the_known_ones(raw: str, argument: str, known: str) -> None:
+    with pytest.raises(InvalidJournalURL) as info:
+        JournalURL.parse(raw)
+    assert isinstance(info.value, UnsupportedJournalURL), "config validation catches UnsupportedJournalURL"
+    assert str(info.value).startswith(f"journal.url: query argument {argument!r}: not known to a ")
+    assert known in str(info.value).split("(known: ", 1)[1]
+
+
+def test_a_query_argument_value_is_never_shown_when_the_argument_is_unknown() -> None:
+    with pytest.raises(InvalidJournalURL) as info:
+        JournalURL.parse("postgresql+asyncpg://u@h/db?password=hunter2")
+    assert "hunter2" not in str(info.value) and "'password'" in str(info.value)
+
+
+@pytest.mark.parametrize("raw, rule", [
+    ("postgresql+asyncpg://u@h/db?ssl=yes", "ssl='yes': must be one of disable, allow, prefer, require"),
+    ("postgresql+asyncpg://u@h/db?command_timeout=0", "command_timeout='0': must be a positive, finite number"),
+    ("postgresql+asyncpg://u@h/db?command_timeout=inf", "command_timeout='inf': must be a positive, finite number"),
+    ("postgresql+asyncpg://u@h/db?prepared_statement_cache_size=-1", "must be an integer of at least 0"),
+    ("postgresql+asyncpg://u@h/db?target_session_attrs=master", "must be one of any, primary"),
+    ("postgresql+asyncpg://u@h/db?ssl=require&ssl=disable", "'ssl': given more than once"),
+])
+def test_a_known_query_argument_with_a_bad_value_names_the_rule(raw: str, rule: str) -> None:
+    with pytest.raises(InvalidJournalURL, match="^journal.url: query argument ") as info:
+        JournalURL.parse(raw)
+    assert rule in str(info.value)
+
+
+def test_known_query_arguments_are_kept() -> None:
+    url = JournalURL.parse("postgresql://u@/db?host=/run/postgresql&ssl=require&command_timeout=30"
+                           "&target_session_attrs=read-write&prepared_statement_cache_size=0")
+    assert dict(url.url.query) == {"host": "/run/postgresql", "ssl": "require", "command_timeout": "30",
+                                   "target_session_attrs": "read-write", "prepared_statement_cache_size": "0"}
+
+
+@pytest.mark.parametrize("raw, password, shown", [
+    ("postgresql+asyncpg://user:p/a@ss@host/db", "p/a@ss", "postgresql+asyncpg://user:***@host/db"),
+    ("postgresql://user:p@ss:word@db.example:5433/journal", "p@ss:word",
+     "postgresql+asyncpg://user:***@db.example:5433/journal"),
+    ("postgresql://user:a/b/c@h:5432/j?ssl=require", "a/b/c", "postgresql+asyncpg://user:***@h:5432/j?ssl=require"),
+    ("postgresql://user:s3cr%40t@h/j", "s3cr@t", "postgresql+asyncpg://user:***@h/j"),
+    ("postgresql://user:p%3Fq@h/j", "p?q", "postgresql+asyncpg://user:***@h/j"),
+    ("postgresql://user:@@h/j", "@", "postgresql+asyncpg://user:***@h/j"),
+])
+def test_a_password_runs_to_the_last_at_before_the_host(raw: str, password: str, shown: str) -> None:
+    url = JournalURL.parse(raw)
+    assert url.url.password == password
+    assert url.redacted() == shown
+    # The full URL round-trips (Alembic's env.py parses it again).
+    again = JournalURL.parse(url.url.render_as_string(hide_password=False))
+    assert again.url == url.url
+
+
+def test_redacted_never_shows_any_part_of_a_password_with_slash_and_at() -> None:
+    url = JournalURL.parse("postgresql+asyncpg://user:p/a@ss@host/db")
+    assert url.redacted() == "postgresql+asyncpg://user:***@host/db"
+    assert url.scrub("connect to user:p/a@ss failed (p%2Fa%40ss)") == "connect to user:*** failed (***)"
+
+
+def test_a_host_holding_an_at_is_refused_without_showing_it() -> None:
+    # A '?' in the password ends it early (the query starts there): the rest would be taken for the host.
+    with pytest.raises(InvalidJournalURL) as info:
+        JournalURL.parse("postgresql://user:p?x@y@h/db")
+    assert "journal.url: host: contains '@'" in str(info.value)
+    assert "p?x" not in str(info.value) and "x@y" not in str(info.value)
+
+
+def test_a_sqlite_path_holding_an_at_is_a_path() -> None:
+    url = JournalURL.parse("sqlite+aiosqlite:////data/user@host/journal.db")
+    assert url.url.database == "/data/user@host/journal.db" and url.redacted().endswith("/data/user@host/journal.db")
+
+
+def test_config_redaction_hides_a_password_with_slash_and_at() -> None:
+    from engine.config import _USERINFO
+
+    def hide(value: str) -> str:
+        return _USERINFO.sub(r"\1***@", value)
+
+    assert hide("postgresql+asyncpg://user:p/a@ss@host/db") == "postgresql+asyncpg://***@host/db"
+    assert hide("http://user:pw@x:1") == "http://***@x:1"
+    assert hide("mysql://u:p a/b@c@h/db") == "mysql://***@h/db"
+    assert hide("sqlite:////data/u@h/j.db") == "sqlite:////data/u@h/j.db"
+
+
+async def test_read_only_open_refuses_a_missing_sqlite_file_and_creates_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "missing.db"
+    with pytest.raises(JournalNotFound, match=f"no journal at {path} \\(no such file\\)"):
+        Journal.open(f"sqlite:///{path}", read_only=True)
+    assert list(tmp_path.iterdir()) == []
+
+
+async def test_a_read_only_journal_refuses_writes(journal_url: str) -> None:
+    journal = Journal.open(journal_url, read_only=True)
+    try:
+        async with journal.read() as conn:
+            assert (await conn.execute(sa.text("SELECT count(*) FROM participants"))).scalar() == 0
+        with pytest.raises(ReadOnlyJournal):
+            async with journal.write() as tx:
+                await tx.create("participants", "env-0", reason="configured", values={"url": "http://h:1"})
+        with pytest.raises(sa.exc.DBAPIError, match="(?i)read-only|readonly"):
+            async with journal.engine.begin() as conn:
+                await conn.execute(sa.text("DELETE FROM participants"))
+    finally:
+        await journal.dispose()
