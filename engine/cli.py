@@ -20,18 +20,20 @@ import asyncio
 import json
 import logging
 import signal
+import sqlite3
 import sys
 import urllib.parse
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import ArgumentError, DBAPIError
 
-from journal import JournalError, audit, lease, schema
+from journal import Journal, JournalError, JournalURL, UnsupportedJournalURL, audit, lease, schema
 
 from . import logs
 from .cli_training import HANDLERS as TRAINING_HANDLERS, add_training_commands
+from .clock import SystemClock
 from .config import ConfigError, Settings, load
 from .leader import LEASE_NAME
 from .progress import ApiFailure, Client, Display, api_url, watch
@@ -120,6 +122,15 @@ def _workflow(sub: Any, name: str, text: str) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand; returns the exit code (0 ok, 1 a check found problems, 2 bad input).
+
+    Bad input of every kind ends in one line on stderr, ``tidelog <command>: <what is wrong>``,
+    and exit code 2, never a traceback: a refused configuration, an API that refuses or
+    cannot be reached, and a journal that cannot be opened or reached (no such file or
+    database, connection refused, authentication failed: :func:`_journal_failure`), with the
+    journal URL shown only redacted and the password scrubbed from the driver's message. Any
+    other exception is a bug and still ends in a traceback and exit code 1.
+    """
     args = _parser().parse_args(argv)
     try:
         settings = load(args.config)
@@ -139,13 +150,91 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tidelog {args.command}: interrupted; a workflow already started goes on", file=sys.stderr)
         return 130
     except (JournalError, ValueError) as exc:
-        print(f"tidelog {args.command}: {exc}", file=sys.stderr)
+        print(f"tidelog {args.command}: {_one_line(_scrub(settings, str(exc)))}", file=sys.stderr)
         return 2
-    except (OSError, DBAPIError) as exc:
-        # Connection refused, no such database, unwritable SQLite path, port in use, ...
-        detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
-        print(f"tidelog {args.command}: {detail}", file=sys.stderr)
+    except Exception as exc:
+        detail = _journal_failure(exc)
+        if detail is None:
+            raise
+        print(f"tidelog {args.command}: {_journal_where(settings)}: {_one_line(_scrub(settings, detail))}",
+              file=sys.stderr)
         return 2
+
+
+def _journal_failure(exc: BaseException) -> str | None:
+    """What went wrong, if ``exc`` is a failure to open or reach a journal (or bind a port); else ``None``.
+
+    Those are: :class:`OSError` (connection refused, a host name that does not resolve, an
+    unwritable path, a timeout, a port in use), SQLAlchemy's driver errors (``DBAPIError`` and
+    its ``OperationalError``; ``ArgumentError`` for a URL the dialect refuses), :mod:`sqlite3`
+    errors, and asyncpg's server and client errors raised while connecting (no such database:
+    ``InvalidCatalogNameError``; a wrong password; a bad SSL set-up), which SQLAlchemy does not
+    wrap when they happen at connect time.
+    """
+    if isinstance(exc, DBAPIError):
+        return str(exc.orig if exc.orig is not None else exc)
+    if isinstance(exc, (OSError, ArgumentError, sqlite3.Error)):
+        return str(exc) or type(exc).__name__
+    asyncpg = sys.modules.get("asyncpg")
+    if asyncpg is not None and isinstance(exc, (asyncpg.PostgresError, asyncpg.InterfaceError)):
+        return f"{exc} ({type(exc).__name__})"
+    return None
+
+
+def _journal_where(settings: Settings) -> str:
+    try:
+        return f"journal.url {JournalURL.parse(settings.journal.url).redacted()}"
+    except UnsupportedJournalURL:  # cannot happen: the configuration was validated
+        return "journal.url"
+
+
+def _scrub(settings: Settings, text: str) -> str:
+    """``text`` without the journal URL's password (a driver may echo what it was given)."""
+    try:
+        return JournalURL.parse(settings.journal.url).scrub(text)
+    except UnsupportedJournalURL:
+        return text
+
+
+def _one_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return "; ".join(lines) if lines else "(no detail)"
+
+
+def _open_for_reading(settings: Settings) -> Journal:
+    """The journal for ``status``, ``events``, ``verify`` and ``replay``: read-only, never created.
+
+    A SQLite path that does not exist is refused (``no journal at PATH``) instead of leaving an
+    empty database there, and a journal on a read-only file or mount can still be read.
+    """
+    return Journal.open(settings.journal.url, read_only=True, clock=SystemClock().now,
+                        busy_timeout_ms=settings.journal.busy_timeout_ms, pool_size=settings.journal.pool_size)
+
+
+#: The range of times the journal can hold, for the messages that refuse others.
+_TIME_RANGE = "0001-01-01T00:00:00 to 9999-12-31T23:59:59.999999 UTC"
+
+
+def _utc(flag: str, raw: str | None) -> str | None:
+    """``--since``/``--until`` as the same instant in UTC; one the journal cannot hold is refused.
+
+    ``0001-01-01T00:00:00+14:00`` is a valid ISO-8601 time, but in UTC it falls before year 1
+    (``OverflowError`` when compared or stored), so it is refused here with a message naming
+    the option, the value and the range. Text that is not a timestamp with a timezone is
+    passed on unchanged for the event filter to refuse with its own message.
+    """
+    if raw is None:
+        return None
+    try:
+        value = datetime.fromisoformat(raw)
+    except ValueError:
+        return raw
+    if value.tzinfo is None or value.utcoffset() is None:
+        return raw
+    try:
+        return value.astimezone(timezone.utc).isoformat()
+    except OverflowError:
+        raise ValueError(f"--{flag} {raw!r}: outside the times the journal can hold ({_TIME_RANGE})") from None
 
 
 def _migrate(settings: Settings, args: argparse.Namespace) -> int:
@@ -153,7 +242,7 @@ def _migrate(settings: Settings, args: argparse.Namespace) -> int:
 
     url = settings.journal.url
     try:
-        schema.upgrade(url, args.revision)
+        schema.upgrade(url, args.revision)  # the write path: creates a SQLite journal that is not there
     except CommandError as exc:
         print(f"tidelog migrate: {exc}", file=sys.stderr)
         return 2
@@ -177,6 +266,8 @@ def _serve(settings: Settings, _args: argparse.Namespace) -> int:
 async def serve(settings: Settings) -> int:
     from aiohttp import web
 
+    from workers.http_limits import runner_options
+
     from .api import make_app
     from .service import Orchestrator
 
@@ -194,7 +285,7 @@ async def serve(settings: Settings) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    runner = web.AppRunner(make_app(orch), access_log=None)
+    runner = web.AppRunner(make_app(orch), access_log=None, **runner_options(settings.api.header_timeout_s))
     await runner.setup()
     site = web.TCPSite(runner, settings.api.host, settings.api.port)
     await site.start()
@@ -214,7 +305,7 @@ def _status(settings: Settings, args: argparse.Namespace) -> int:
     from .api import entity_counts
 
     async def go() -> dict[str, Any]:
-        journal = open_journal(settings)
+        journal = _open_for_reading(settings)
         try:
             await schema.check_schema(journal)
             current = await lease.read_lease(journal, LEASE_NAME)
@@ -243,11 +334,11 @@ def _events(settings: Settings, args: argparse.Namespace) -> int:
     from .api import QueryError, event_json, parse_event_filter
 
     query = {k: str(v) for k, v in {
-        "kind": args.kind, "entity": args.entity, "state": args.state, "since": args.since,
-        "until": args.until, "after": args.after, "limit": args.limit}.items() if v is not None}
+        "kind": args.kind, "entity": args.entity, "state": args.state, "since": _utc("since", args.since),
+        "until": _utc("until", args.until), "after": args.after, "limit": args.limit}.items() if v is not None}
 
     async def go() -> list[dict[str, Any]]:
-        journal = open_journal(settings)
+        journal = _open_for_reading(settings)
         try:
             await schema.check_schema(journal)
             flt = parse_event_filter(query, journal.kinds)
@@ -279,7 +370,7 @@ def _events(settings: Settings, args: argparse.Namespace) -> int:
 
 def _verify(settings: Settings, _args: argparse.Namespace) -> int:
     async def go() -> list[audit.Mismatch]:
-        journal = open_journal(settings)
+        journal = _open_for_reading(settings)
         try:
             await schema.check_schema(journal)
             return await audit.verify(journal)
@@ -300,7 +391,7 @@ def _replay(settings: Settings, args: argparse.Namespace) -> int:
     from .replay import render, replay
 
     async def go() -> Any:
-        journal = open_journal(settings)
+        journal = _open_for_reading(settings)
         try:
             await schema.check_schema(journal)
             return await replay(journal, epoch=args.epoch, kind=args.kind)
