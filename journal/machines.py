@@ -232,13 +232,18 @@ ENGINES = StateMachine.build(
     # registered: configured, not yet probed.
     initial=["registered"],
     edges={
-        "registered": ["serving", "paused", "uncertain", "unreachable", "retired"],
+        "registered": ["serving", "paused", "uncertain", "unreachable", "unverified", "retired"],
         # Self-edges record a new serving version, memory state or instance.
-        "serving": ["serving", "paused", "uncertain", "unreachable", "retired"],
-        "paused": ["paused", "serving", "uncertain", "unreachable", "retired"],
+        # -> unverified: at every election (sync_engines), in the write that syncs the rows: what a
+        # row says from before it is not taken for the truth until the gate has looked again.
+        "serving": ["serving", "paused", "uncertain", "unreachable", "unverified", "retired"],
+        "paused": ["paused", "serving", "uncertain", "unreachable", "unverified", "retired"],
         # Uncertain: a failed region or weight call; refused until the engine is replaced.
-        "uncertain": ["uncertain", "paused", "serving", "unreachable", "retired"],
-        "unreachable": ["unreachable", "paused", "serving", "uncertain", "retired"],
+        "uncertain": ["uncertain", "paused", "serving", "unreachable", "unverified", "retired"],
+        "unreachable": ["unreachable", "paused", "serving", "uncertain", "unverified", "retired"],
+        # Unverified: claims no version (serving_version and health are cleared; detail keeps what
+        # the row said before); left only once the gate has looked at the engine under this leader.
+        "unverified": ["serving", "paused", "uncertain", "unreachable", "retired"],
         "retired": ["registered"],
     },
 )

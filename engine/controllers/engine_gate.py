@@ -1,6 +1,10 @@
 """The commit gate over the deployment's inference engines, applied at start-up and on every resync.
 
-One ``engines`` row per configured engine (``sync_engines`` at election). Reconciling a row looks
+One ``engines`` row per configured engine (``sync_engines`` at election). At each election every live
+row that election did not just register moves to ``unverified`` in the same write: it claims no
+version until the gate has looked at its engine under the new leader (a row from before a restart
+is not the truth: the engine may have been restarted or given other weights meanwhile). Only a look
+moves a row on (``serving``, ``paused``, ``unreachable``). Reconciling a row looks
 at the engine and at the journal, under the publisher's lock (so it never interleaves with a
 publication step), and applies the gate the publication workflow keeps:
 
@@ -8,7 +12,8 @@ publication step), and applies the gate the publication workflow keeps:
   candidate: the engine is paused (again, if it was restarted meanwhile) and stays paused;
 - a publication in ``CHECKPOINT``, ``HEAD_COMMITTED`` or ``REJECTING``: the publisher is about to
   act on every engine (pause, resume on the committed version, put the incumbent back); the gate
-  only records what the engine reports;
+  only records what the engine reports (a ``registered`` or ``unverified`` row stays so until the
+  publisher is done: nothing verified can be said of it meanwhile);
 - no publication in flight: the engine must serve the committed head. One that serves anything
   else (an engine restarted on its start-up weights, one that loaded a candidate that was then
   rejected while the orchestrator was down) is paused, loads the head from disk and must report
@@ -43,6 +48,11 @@ KIND = "engines"
 UNCOMMITTED = ("UPDATING_WEIGHTS", "READY_TO_COMMIT")
 #: Publication states whose next step acts on every engine itself.
 PUBLISHER_ACTS = ("CHECKPOINT", "HEAD_COMMITTED", "REJECTING")
+#: The state of every live row from its election until the gate has looked at its engine: it claims
+#: no version (``serving_version`` is null). Readers take it, like ``registered``, as not yet known.
+UNVERIFIED = "unverified"
+#: States whose row says nothing this leader has seen about the engine.
+NOT_YET_KNOWN = ("registered", UNVERIFIED)
 
 
 def engine_id(deployment: str, name: str) -> str:
@@ -53,11 +63,16 @@ def engine_id(deployment: str, name: str) -> str:
 async def sync_engines(tx: WriteTx, deployment: str, configured: Mapping[str, str]) -> list[str]:
     """Make the deployment's ``engines`` rows match the configuration (name -> url); returns the ids touched.
 
-    A new name is created ``registered`` (id :func:`engine_id`); a changed URL retires the row and
-    registers it again; a name no longer configured is ``retired`` (its history stays).
+    Called at every election, in one write. A new name is created ``registered`` (id
+    :func:`engine_id`); a changed URL retires the row and registers it again; a name no longer
+    configured is ``retired`` (its history stays). Every other live row moves to ``unverified``: what
+    it says was seen by an earlier leader, and the engine may have been restarted or given other
+    weights since, so the row stops claiming a version (``serving_version`` and ``health`` cleared,
+    what it said kept in ``detail``) until the gate has looked at the engine (:data:`UNVERIFIED`).
     """
     t = models.engines
-    rows = {r.id: r for r in (await tx.execute(sa.select(t.c.id, t.c.state, t.c.version, t.c.url).where(
+    rows = {r.id: r for r in (await tx.execute(sa.select(
+        t.c.id, t.c.state, t.c.version, t.c.url, t.c.serving_version, t.c.health).where(
         t.c.deployment == deployment))).all()}
     touched: list[str] = []
     ids = {engine_id(deployment, name): url for name, url in configured.items()}
@@ -75,8 +90,15 @@ async def sync_engines(tx: WriteTx, deployment: str, configured: Mapping[str, st
                                 reason="configured with a new url", changes={"url": url, "instance": None,
                                                                              "serving_version": None,
                                                                              "detail": None})
+        elif row.state != UNVERIFIED:
+            said = f"{row.state}, serving {row.serving_version or 'nothing known'}, health {row.health or '-'}"
+            await tx.transition(KIND, name, from_state=row.state, version=row.version, to_state=UNVERIFIED,
+                                reason="elected: not verified until the gate looks at the engine",
+                                changes={"serving_version": None, "health": None,
+                                         "detail": f"not verified since this leader's election; an earlier "
+                                                   f"leader recorded it {said}"[:500]})
         else:
-            continue
+            continue  # already unverified: the gate has not looked at it since an earlier election
         touched.append(name)
     for name, row in rows.items():
         if name not in ids and row.state != "retired":
@@ -140,8 +162,10 @@ class EngineGateController:
         if job is not None and job.state in PUBLISHER_ACTS:
             # The publisher's next step pauses, resumes or restores every engine itself.
             self._resumed.discard(row.id)
-            if row.state == "registered":
-                return retry  # nothing to say of it yet: looked at again once the publisher is done
+            if row.state in NOT_YET_KNOWN:
+                # Nothing verified to say of it yet (the publisher is about to change what it serves
+                # and whether it generates): looked at again once the publisher is done.
+                return retry
             await self._record(ctx, row, row.state, {
                 "health": "ok", "serving_version": version,
                 "detail": f"job {job.id[:12]} {job.state}: the publisher acts on the engines"})
@@ -203,4 +227,4 @@ class EngineGateController:
         await ctx.apply(Transition(KIND, row.id, row.state, row.version, state, str(said)[:200], changes))
 
 
-__all__ = ["EngineGateController", "GateSettings", "engine_id", "sync_engines"]
+__all__ = ["NOT_YET_KNOWN", "UNVERIFIED", "EngineGateController", "GateSettings", "engine_id", "sync_engines"]
