@@ -79,6 +79,40 @@ async def until_engines(journal: Journal, state: str, version: str | None, timeo
         await asyncio.sleep(0.05)
 
 
+async def engine_events(journal: Journal, epoch: int) -> dict[str, list[tuple[str | None, str]]]:
+    """Each engine row's transitions (from, to) made under lease epoch ``epoch``, in order."""
+    e = models.events
+    out: dict[str, list[tuple[str | None, str]]] = {}
+    async with journal.read() as conn:
+        for r in (await conn.execute(sa.select(e.c.entity_id, e.c.from_state, e.c.to_state).where(
+                e.c.entity_kind == "engines", e.c.epoch == epoch).order_by(e.c.seq))).all():
+            out.setdefault(r.entity_id, []).append((r.from_state, r.to_state))
+    return out
+
+
+async def until_verified(journal: Journal, epoch: int, state: str, version: str | None,
+                         timeout: float = 30) -> None:
+    """Wait until every engine row is ``state`` on ``version`` *as the gate found it under epoch
+    ``epoch``*: the row was made ``unverified`` at that election and the gate moved it on since. A
+    row still saying what an earlier leader recorded does not count, whatever it says."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        rows = await engine_rows(journal)
+        events = await engine_events(journal, epoch)
+
+        def verified(r: dict[str, Any]) -> bool:
+            moves = events.get(r["id"], [])
+            looked = [i for i, (_, to) in enumerate(moves) if to == "unverified"]
+            return (r["state"] == state and r["serving_version"] == version and bool(looked)
+                    and moves[-1][1] == state and looked[-1] < len(moves) - 1)
+        if rows and all(verified(r) for r in rows.values()):
+            return
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"engines are {[(r['id'], r['state'], r['serving_version']) for r in rows.values()]}"
+                                 f" (epoch {epoch} moves {events}), not all verified {state} on {version}")
+        await asyncio.sleep(0.05)
+
+
 def adapters(procs: list[EngineProc]) -> list[SGLangEngine]:
     return [SGLangEngine(SGLangConfig(url=p.url, timeout=10)) for p in procs]
 
@@ -162,9 +196,62 @@ async def test_start_up_puts_an_engine_back_on_the_committed_head(journal_url: s
         again = Orchestrator(settings, with_discovery=False)
         orchestrators.append(again)
         await leading(again)
-        await until_engines(again.journal, "serving", head)
+        # The rows said ``serving`` on the head before the stop: only a look by this leader counts.
+        assert again.leader.epoch is not None
+        await until_verified(again.journal, again.leader.epoch, "serving", head)
         assert await e1.weight_version() == head and not await paused(e1)  # loaded the head, then resumed
         assert await e1.health()
+    finally:
+        await e1.close()
+
+
+async def test_after_a_restart_no_engine_row_claims_a_version_until_the_gate_looked(
+        journal_url: str, tmp_path: Path, engine_procs: list[EngineProc], initial_dir: Path,
+        orchestrators: list[Orchestrator]) -> None:
+    """Issue 13, defect 12: rows from before a restart said ``serving`` on the head while engine 1
+    had been given other weights meanwhile. The election now makes every live row ``unverified``
+    (claiming no version) in the write that syncs them, and only the gate's look moves it on."""
+    settings = training_settings(journal_url, tmp_path, engine_procs, initial_dir)
+    orch = await serving(settings, orchestrators)
+    first_epoch = orch.leader.epoch
+    job_id = await submit(orch.journal, payload(), deployment="dep")
+    head = (await until_state(orch.journal, job_id, "COMPLETE"))["runtime_load_id"]
+    await until_engines(orch.journal, "serving", head)
+    await orch.stop()
+    rogue = tmp_path / "rogue"
+    save_weights(Policy(seed=5), rogue, "rogue")
+    e1 = adapters(engine_procs)[1]
+    try:
+        await e1.pause_generation("retract")
+        await e1.update_weights_from_disk(str(rogue), "rogue")
+        again = Orchestrator(settings, with_discovery=False)
+        orchestrators.append(again)
+        assert again.training is not None
+        # Hold the gate off (it never looks while the publisher's lock is taken): what the rows say
+        # right after the election committed is what the election wrote, nothing the gate saw.
+        gate_lock = again.training.gate.lock
+        await gate_lock.acquire()
+        try:
+            await leading(again)
+            epoch = again.leader.epoch
+            assert epoch is not None and first_epoch is not None and epoch > first_epoch
+            rows = await engine_rows(again.journal)
+            assert sorted(rows) == ["dep/e0", "dep/e1"]
+            for r in rows.values():
+                assert (r["state"], r["serving_version"], r["health"]) == ("unverified", None, None), r
+                assert f"serving {head}" in r["detail"], r["detail"]  # what the earlier leader recorded
+            # The election's write is each row's first (and, so far, only) move under the new epoch.
+            assert await engine_events(again.journal, epoch) == {
+                "dep/e0": [("serving", "unverified")], "dep/e1": [("serving", "unverified")]}
+            # No reader may take e1 for serving the head: it serves the rogue weights, paused.
+            assert await e1.weight_version() == "rogue" and await paused(e1)
+        finally:
+            gate_lock.release()
+        # Once the gate looked: serving on the head again, e1 for real (it loaded the head).
+        await until_verified(again.journal, epoch, "serving", head)
+        for moves in (await engine_events(again.journal, epoch)).values():
+            assert moves[0] == ("serving", "unverified") and moves[-1][1] == "serving", moves
+        assert await e1.weight_version() == head and not await paused(e1)
     finally:
         await e1.close()
 
