@@ -39,7 +39,6 @@ are the intents a reconcile of the new state would write).
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import json
 import logging
@@ -59,6 +58,7 @@ from journal.writes import Row
 from workers.files import write_atomically
 from workers.protocol import EpisodeId
 
+from .. import confined
 from ..reconciler import Context, Result
 from .fanout import control_intent, describe_error, read_calls, timings
 from .open_calls import SETTLED, OpenCalls
@@ -199,6 +199,8 @@ class _Publication:
             return self._finished
 
     def run(self) -> None:
+        if self._abandoned:  # it waited for a thread of the pool past the deadline: nothing to do
+            return
         try:
             write_atomically(self.manifest, self.data)
         except OSError as exc:  # the rename may have happened (a failed directory fsync)
@@ -569,7 +571,8 @@ class CheckpointController:
         work = _Publication(path, json.dumps(manifest, indent=1, sort_keys=True).encode(), root / "LATEST", row.id)
         deadline = self._deadline(row, self.settings.commit_timeout_s)
         try:
-            await asyncio.wait_for(asyncio.to_thread(work.run), max(deadline - time.time(), PUBLISH_MIN_S))
+            # On the checkpoint file pool, never the default executor (a hung write ties up only that pool).
+            await confined.run(work.run, timeout=max(deadline - time.time(), PUBLISH_MIN_S))
         except PublishFailed as failure:
             return await self._publish_failed(ctx, row, members, deadline, failure)
         except TimeoutError:
