@@ -156,9 +156,13 @@ def main(argv: list[str] | None = None) -> int:
         detail = _journal_failure(exc)
         if detail is None:
             raise
-        print(f"tidelog {args.command}: {_journal_where(settings)}: {_one_line(_scrub(settings, detail))}",
-              file=sys.stderr)
+        where = f"{_journal_where(settings)}: " if args.command in _JOURNAL_COMMANDS else ""
+        print(f"tidelog {args.command}: {where}{_one_line(_scrub(settings, detail))}", file=sys.stderr)
         return 2
+
+
+#: The commands that open the journal themselves: a driver or OS error there is the journal's.
+_JOURNAL_COMMANDS = {"serve", "migrate", "status", "events", "verify", "replay"}
 
 
 def _journal_failure(exc: BaseException) -> str | None:
@@ -288,7 +292,14 @@ async def serve(settings: Settings) -> int:
     runner = web.AppRunner(make_app(orch), access_log=None, **runner_options(settings.api.header_timeout_s))
     await runner.setup()
     site = web.TCPSite(runner, settings.api.host, settings.api.port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:  # not the journal's: say which keys to change
+        await runner.cleanup()
+        await orch.journal.dispose()
+        print(f"tidelog serve: api.host/api.port {settings.api.host}:{settings.api.port}: cannot listen there: "
+              f"{exc.strerror or exc}", file=sys.stderr)
+        return 2
     await orch.start()
     port = runner.addresses[0][1] if runner.addresses else settings.api.port
     log.info("serving", extra={"api": f"http://{settings.api.host}:{port}", "holder": orch.holder,

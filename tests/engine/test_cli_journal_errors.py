@@ -297,3 +297,24 @@ def test_a_config_error_never_shows_a_password_with_slash_and_at(tmp_path: Path,
     assert res.returncode == 2 and "invalid configuration" in res.stderr, res.stderr
     assert "://***@" in res.stderr, res.stderr
     assert_no_password(res.stderr)
+
+
+def test_a_file_that_is_not_a_journal_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "journal.db"
+    path.write_bytes(b"not a database, just sixteen-plus bytes of text\n" * 40)
+    line = one_line_refusal(tidelog("verify", config=config_for(tmp_path, sqlite_url(path))), "verify")
+    assert f"cannot read the journal at {path}: file is not a database" in line, line
+    assert path.read_bytes().startswith(b"not a database"), "a read command must not touch the file"
+
+
+def test_serve_on_a_port_in_use_names_the_api_keys_not_the_journal(journal_url: str, tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cfg = config_for(tmp_path, journal_url, api={"host": "127.0.0.1", "port": port}, logging={"level": "ERROR"})
+        line = one_line_refusal(tidelog("serve", config=cfg), "serve")
+    assert line.startswith(f"tidelog serve: api.host/api.port 127.0.0.1:{port}: cannot listen there: "), line
+    assert "journal.url" not in line
