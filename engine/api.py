@@ -10,7 +10,10 @@ the field, the value and the rule; also ``"field"``), ``unauthorized`` (401),
 ``no_participants``, ``already_exists``, ``not_abortable``, ``job_conflict``,
 ``job_closed``, ``job_state`` (409), ``checkpoint_unverified`` (422),
 ``not_leader``, ``workflow_unavailable``, ``training_disabled`` and
-``trainer_unavailable`` (503).
+``trainer_unavailable`` (503); ``directory_refused`` (422), ``checkpoint_not_published`` and
+``checkpoint_mismatch`` (409); and, from :mod:`workers.http_limits`, ``request_too_large``
+(413), ``body_timeout`` (408), ``method_not_allowed`` (405). No input is answered 500
+(docs/security.md): a NUL in the path or the query is refused by :func:`refuse_nul`.
 
 The checkpoint workflows' routes (checkpoints, restores, retire, forget) are in
 :mod:`engine.api_workflows`; the training routes (jobs, publications, engines)

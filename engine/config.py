@@ -153,8 +153,9 @@ class ParticipantEntry(_Strict):
     @classmethod
     def _url(cls, v: str) -> str:
         if not re.match(r"^https?://[^/\s]+", v):
-            raise ValueError(f"{v!r} is not an http(s) URL")
-        if "@" in v.split("//", 1)[1].split("/", 1)[0]:
+            shown = _USERINFO.sub(r"\1***@", v)
+            raise ValueError(f"{shown!r} is not an http(s) URL")
+        if _USERINFO.search(v):
             # The URL is recorded in the journal; credentials belong in control.token.
             raise ValueError("must not carry credentials (user:password@); use control.token "
                              "or TIDELOG_CONTROL_TOKEN")

@@ -39,8 +39,8 @@ def settings(journal_url: str, participants: dict[str, str], prepare_timeout_s: 
     })
 
 
-async def checkpoint_with(journal_url: str, stack: Stack, faulty: FaultyParticipant, *, prepare_timeout_s: float,
-                          before: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
+async def checkpoint_with(journal_url: str, stack: Stack, faulty: FaultyParticipant, directory: Path, *,
+                          prepare_timeout_s: float, before: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
     named = {f"{k}-0": stack.url(k) for k in KINDS} | {"faulty-0": faulty.url}
     orch = Orchestrator(settings(journal_url, named, prepare_timeout_s))
     await orch.start()
@@ -59,7 +59,7 @@ async def checkpoint_with(journal_url: str, stack: Stack, faulty: FaultyParticip
         members = [to_row("participants", r._mapping) for r in healthy]
 
         async def start(tx: WriteTx) -> None:
-            await start_checkpoint(tx, "ck-f", "/nonexistent-unused", members)
+            await start_checkpoint(tx, "ck-f", str(directory), members)
         await orch.committer.run(start)
         end = time.monotonic() + 40
         while True:
@@ -94,7 +94,7 @@ async def test_a_participant_that_fails_or_never_answers_aborts_the_checkpoint(
         journal_url: str, stack: Stack, controller: Controller, tmp_path: Path, fault: str, reason: str) -> None:
     faulty = await FaultyParticipant(fault, tmp_path / "faulty").start()
     try:
-        row, members = await checkpoint_with(journal_url, stack, faulty, prepare_timeout_s=1.0)
+        row, members = await checkpoint_with(journal_url, stack, faulty, tmp_path / "ckpts", prepare_timeout_s=1.0)
     finally:
         await faulty.stop()
     await assert_ended_cleanly(row, members, stack, controller, reason)
@@ -104,7 +104,8 @@ async def test_a_participant_that_fails_or_never_answers_aborts_the_checkpoint(
 async def test_a_participant_that_is_down_aborts_the_checkpoint(
         journal_url: str, stack: Stack, controller: Controller, tmp_path: Path) -> None:
     faulty = await FaultyParticipant("none", tmp_path / "faulty").start()
-    row, members = await checkpoint_with(journal_url, stack, faulty, prepare_timeout_s=1.0, before=faulty.stop)
+    row, members = await checkpoint_with(journal_url, stack, faulty, tmp_path / "ckpts", prepare_timeout_s=1.0,
+                                         before=faulty.stop)
     await assert_ended_cleanly(row, members, stack, controller, "failed")
     assert members["faulty-0"]["detail"] is not None
 
@@ -121,7 +122,7 @@ async def test_a_lease_that_expires_mid_checkpoint_aborts_it(
     stack = Stack({"environment": env, "model": model, "agent": agent, "resources": resources})
     faulty = await FaultyParticipant("slow", tmp_path / "faulty", delay_s=2.0).start()
     try:
-        row, members = await checkpoint_with(journal_url, stack, faulty, prepare_timeout_s=0.5)
+        row, members = await checkpoint_with(journal_url, stack, faulty, tmp_path / "ckpts", prepare_timeout_s=0.5)
     finally:
         await faulty.stop()
     assert row["state"] == "aborted", row

@@ -350,3 +350,12 @@ async def test_oversize_bodies_and_unknown_routes_answer_in_the_json_error_shape
         status, reply = await call("DELETE", f"{served.base}/v1/checkpoints")
         assert (status, reply["error"]["code"]) == (405, "method_not_allowed"), reply
         assert_no_traceback(served)
+
+
+@pytest.mark.parametrize("url", ["http://user:p/a@ss@x:1", "ftp://user:hunter2/x@x", "http://u:hunter2@h:1"])
+def test_a_participant_url_with_a_password_is_refused_without_showing_it(tmp_path: Path, url: str) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(json.dumps({"participants": [{"name": "p", "url": url}]}))
+    with pytest.raises(ConfigError, match=r"participants\.0\.url") as refused:
+        load(cfg)
+    assert "hunter2" not in str(refused.value) and "p/a" not in str(refused.value), refused.value
