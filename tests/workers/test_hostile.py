@@ -358,3 +358,13 @@ async def test_a_deadline_within_the_bound_is_accepted(server: ControlServer) ->
                                                  "deadline_ts": time.time() + MAX_DEADLINE_AHEAD_S - 60})
     assert status == 200, body
     await server.ok("resume", "c1")
+
+
+def test_checkpoint_settings_take_an_absolute_root_only() -> None:
+    from pydantic import ValidationError
+
+    from workers.participant import CheckpointSettings
+    assert CheckpointSettings(checkpoint_root="/srv/ck").checkpoint_root == "/srv/ck"
+    for bad in ("relative/ck", "/a\x00b", ""):
+        with pytest.raises(ValidationError, match="checkpoint_root"):
+            CheckpointSettings(checkpoint_root=bad)

@@ -3,6 +3,15 @@
 Layout: ``<checkpoint_dir>/gym/<kind>/<instance>/records-<sha256>.jsonl`` and
 ``manifest.json`` beside it.
 
+Confinement (``root=``, which the control plane always passes): ``checkpoint_dir``
+must be absolute, without ``..``, and under the root (:func:`confine`,
+``checkpoint_dir_refused`` otherwise); below the root every directory is opened
+(and created) relative to its parent with ``O_NOFOLLOW`` and every file relative
+to its directory, so no symbolic link is followed out of — or within — the tree.
+Files read are regular files opened without following links or blocking, read
+with a bound (:data:`MANIFEST_MAX_BYTES`; the records file's declared
+``records_bytes`` and ``record_count``) and a deadline.
+
 Writing (:func:`write_records`): records are encoded one at a time
 (:func:`encode_record`: orjson where that is provably exact, else the stdlib
 ``json.dumps`` without sorting, so dict key order, NaN, infinities and
@@ -10,7 +19,7 @@ integers of any size survive) into a temporary file while its SHA-256 is
 computed (hashing and writing overlap the encoding in a second thread); the
 file is fsynced. Then, under the :class:`WriteStop` lock when one is given
 (a last stop check first), the file is renamed to ``records-<sha256>.jsonl``;
-the directory and every parent up to the checkpoint directory are fsynced;
+the directory and every parent up to the root (or checkpoint directory) are fsynced;
 then ``manifest.json`` is created by a hard link from a fsynced temporary
 file — a link never replaces, so one commit wins — and the directory is
 fsynced. A retry that finds the identical manifest fsyncs the directory and
@@ -31,7 +40,7 @@ for the collector rescanning them again and again (most of the 16 s restore
 before). The collector's first pass over what a restore keeps then runs once,
 when it is turned back on.
 
-These functions block; participants run them in a worker thread.
+These functions block; the control plane runs them on its own storage pool.
 """
 
 from __future__ import annotations
@@ -59,7 +68,7 @@ from ..protocol import ID_PATTERN, ErrorCode, ProtocolError
 from .codec import check_payload, decode_line, encode_record, invalid, line_key
 
 __all__ = ["MANIFEST", "MANIFEST_MAX_BYTES", "SCHEMA_VERSION", "WriteStop", "WriteStopped", "check_payload", "confine",
-           "encode_record", "invalid", "participant_dir", "read_records", "refused", "resolve_root",
+           "check_dir", "encode_record", "invalid", "participant_dir", "read_records", "refused", "resolve_root",
            "validate_manifest", "write_records"]
 
 SCHEMA_VERSION = 1
@@ -280,6 +289,19 @@ def _chain(checkpoint_dir: str | os.PathLike[str], kind: str, instance: str, roo
     else:
         top, below = confine(root, os.fspath(checkpoint_dir))
     return _Chain(top, (*below, "gym", kind, instance), create=create)
+
+
+def check_dir(root: str | os.PathLike[str], checkpoint_dir: str, kind: str, instance: str) -> None:
+    """Refuse ``checkpoint_dir`` now if it is not under ``root`` or an existing directory on the way
+    to the participant directory is a symbolic link (``checkpoint_dir_refused``); creates nothing.
+
+    A cheap first look, so a refused commit pins nothing; the write itself checks again as it opens
+    each directory (a link planted in between is still refused there).
+    """
+    try:
+        _chain(checkpoint_dir, kind, instance, root, create=False).close()
+    except OSError:
+        pass  # a directory not there yet (or unreadable): the write says what is wrong, if anything
 
 
 def _fsync_dir(fd: int, path: Path) -> None:
