@@ -143,20 +143,12 @@ def validation_error(exc: ValidationError) -> ApiError:
 MAX_DEPTH = 32
 
 
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def _finite(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"{text[:40]} is out of the range of a double")
-    return value
 
 
 def check_json(data: Any) -> None:
-    """Refuse (422, naming where) what no route stores: nesting deeper than :data:`MAX_DEPTH` and
-    NUL characters in keys or strings (PostgreSQL's text cannot hold them)."""
+    """Refuse (422, naming where) what no route stores: nesting deeper than :data:`MAX_DEPTH`,
+    NUL characters in keys or strings (PostgreSQL's text cannot hold them), and ``NaN``,
+    ``Infinity`` or a number past a double's range (JSON has none of them)."""
     stack: list[tuple[Any, str, int]] = [(data, "body", 0)]
     while stack:
         value, where, depth = stack.pop()
@@ -164,6 +156,9 @@ def check_json(data: Any) -> None:
             if "\x00" in value:
                 raise ApiError(422, "invalid_body", f"{where}: must not contain a NUL character", where)
             continue
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ApiError(422, "invalid_body", f"{where}={value}: must be a finite number (JSON has no NaN "
+                                                "or infinities)", where)
         if not isinstance(value, dict | list):
             continue
         if depth >= MAX_DEPTH:
@@ -192,7 +187,7 @@ async def read_body(request: web.Request, model: type[B]) -> B:
     data: Any = {}
     if raw.strip():
         try:
-            data = json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite)
+            data = json.loads(raw)
         except RecursionError:
             raise ApiError(422, "invalid_body", f"body: nested deeper than {MAX_DEPTH} levels", "body") from None
         except ValueError as exc:  # also UnicodeDecodeError
