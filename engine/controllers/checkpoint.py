@@ -39,12 +39,8 @@ are the intents a reconcile of the new state would write).
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
-import os
-import stat
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -55,13 +51,13 @@ import sqlalchemy as sa
 
 from journal import Committed, Transition, WriteTx, machines, models, outbox
 from journal.writes import Row
-from workers.files import write_atomically
 from workers.protocol import EpisodeId
 
 from .. import confined
 from ..reconciler import Context, Result
 from .fanout import control_intent, describe_error, read_calls, timings
 from .open_calls import SETTLED, OpenCalls
+from .publish_files import Publication, PublishFailed
 from .retirement import KIND as RETIREMENTS
 from .retirement import request_retirement
 
@@ -75,17 +71,12 @@ CALL_MARGIN_S = 2.0
 _LIGHT = ("id", "state", "version", "participant", "kind", "url", "stage")
 #: Every member state a resume moves from.
 _RESUMABLE: tuple[str, ...] = tuple(sorted(set(machines.CHECKPOINT_MEMBERS.states) - {"resuming", "resumed"}))
-#: Publish errors a retry may cure (a network filesystem's hiccup). Anything else — a full disk
-#: (ENOSPC, EDQUOT), a read-only or unwritable directory (EROFS, EACCES, EPERM) — aborts at once.
-TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.EAGAIN, errno.EINTR, errno.EBUSY, errno.ETIMEDOUT, errno.ESTALE})
 #: How many times a publish is tried in all (only for a transient error, and only within the deadline).
 PUBLISH_TRIES = 3
 #: The pause before a publish is tried again.
 PUBLISH_RETRY_S = 0.5
 #: The least time a publish is given, even one first tried at or past the deadline (after a restart).
 PUBLISH_MIN_S = 5.0
-#: The most bytes read of the ``LATEST`` a publish replaces (kept to put back if the publish fails).
-_POINTER_MAX = 4096
 
 log = logging.getLogger("tidelog.checkpoint")
 
@@ -128,111 +119,6 @@ def _project(row: Row, members: list[Row], ops: Sequence[Transition]) -> tuple[R
 
 def _light(member: Row) -> Row:
     return Row(member.kind, member.id, member.state, member.version, {k: member[k] for k in _LIGHT[3:]})
-
-
-class PublishFailed(Exception):
-    """Writing one of a checkpoint's files failed (``error``, the OS error), or did not finish in time
-    (``error`` is ``None``); ``note`` says what the clean-up could not undo."""
-
-    def __init__(self, path: Path, error: OSError | None, note: str = "") -> None:
-        self.path, self.error, self.note = path, error, note
-        super().__init__(self.describe())
-
-    @property
-    def transient(self) -> bool:
-        return self.error is not None and self.error.errno in TRANSIENT_ERRNOS
-
-    def describe(self) -> str:
-        if self.error is None:
-            what = f"publishing did not finish by the commit deadline (writing {self.path})"
-        else:
-            code = errno.errorcode.get(self.error.errno or 0, str(self.error.errno))
-            what = f"publishing failed writing {self.path}: {self.error.strerror or self.error} ({code})"
-        return f"{what}; not published{'; ' + self.note if self.note else ''}"
-
-
-def _read_pointer(path: Path) -> bytes | None:
-    """The ``LATEST`` file's bytes, or ``None`` where there is none (or it is not a small regular file)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size > _POINTER_MAX:
-            return None
-        return os.read(fd, _POINTER_MAX)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-
-
-class _Publication:
-    """One publish's file work, run in a worker thread: the manifest, then ``LATEST``.
-
-    All or nothing: on any failure — or once the controller has stopped waiting (:meth:`abandon`,
-    at the deadline) — the manifest is removed and ``LATEST`` put back as it was, so an
-    unpublished checkpoint leaves neither behind. (:func:`write_atomically` removes its own
-    temporary file when it fails.) ``writing`` is the file being written now.
-    """
-
-    def __init__(self, manifest: Path, data: bytes, latest: Path, checkpoint_id: str) -> None:
-        self.manifest, self.data, self.latest = manifest, data, latest
-        self.pointer = (checkpoint_id + "\n").encode()
-        self.writing = manifest
-        self._lock = threading.Lock()  # held only to set or read the two flags below
-        self._abandoned = False
-        self._finished = False
-
-    def abandon(self) -> bool:
-        """The controller stops waiting: whatever is still written is undone. ``True`` where both
-        files were written in time after all (the thread finished as the wait ran out)."""
-        with self._lock:
-            self._abandoned = True
-            return self._finished
-
-    def _finish(self) -> bool:
-        """Whether the publish stands (``False``: it was abandoned)."""
-        with self._lock:
-            self._finished = not self._abandoned
-            return self._finished
-
-    def run(self) -> None:
-        if self._abandoned:  # it waited for a thread of the pool past the deadline: nothing to do
-            return
-        try:
-            write_atomically(self.manifest, self.data)
-        except OSError as exc:  # the rename may have happened (a failed directory fsync)
-            raise PublishFailed(self.manifest, exc, self._undo(None)) from None
-        if self._abandoned:
-            self._undo(None)
-            return
-        self.writing = self.latest
-        previous = _read_pointer(self.latest)
-        try:
-            write_atomically(self.latest, self.pointer)
-        except OSError as exc:
-            raise PublishFailed(self.latest, exc, self._undo(previous)) from None
-        if not self._finish():
-            self._undo(previous)
-
-    def _undo(self, previous: bytes | None) -> str:
-        """Remove the manifest and put ``LATEST`` back (if this publish replaced it); what failed."""
-        problems: list[str] = []
-        if self.writing == self.latest and _read_pointer(self.latest) == self.pointer and previous != self.pointer:
-            try:
-                if previous is None:
-                    self.latest.unlink(missing_ok=True)
-                else:
-                    write_atomically(self.latest, previous)
-            except OSError as exc:
-                problems.append(f"LATEST could not be put back ({exc.strerror or exc})")
-        try:
-            self.manifest.unlink(missing_ok=True)
-        except OSError as exc:
-            problems.append(f"{self.manifest} could not be removed ({exc.strerror or exc})")
-        return "; ".join(problems)
 
 
 def member_id(checkpoint_id: str, participant: str) -> str:
@@ -568,7 +454,7 @@ class CheckpointController:
                     "members": {m["participant"]: {"kind": m["kind"], "manifest": m["manifest"],
                                                    "episode_ids": m["episode_ids"]} for m in members}}
         path = root / row.id / "checkpoint.json"
-        work = _Publication(path, json.dumps(manifest, indent=1, sort_keys=True).encode(), root / "LATEST", row.id)
+        work = Publication(path, json.dumps(manifest, indent=1, sort_keys=True).encode(), root / "LATEST", row.id)
         deadline = self._deadline(row, self.settings.commit_timeout_s)
         try:
             # On the checkpoint file pool, never the default executor (a hung write ties up only that pool).
