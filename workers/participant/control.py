@@ -134,12 +134,15 @@ class ControlPlane:
         """Run blocking storage work on the control plane's own pool (see :data:`STORAGE_THREADS`)."""
         return asyncio.get_running_loop().run_in_executor(self._storage, functools.partial(call, *args, **kwargs))
 
-    def _confined(self, checkpoint_dir: str) -> Path:
-        """The root ``checkpoint_dir`` must lie under (refusing it now, before any work, if it does not)."""
+    async def _confined(self, checkpoint_dir: str) -> Path:
+        """The root ``checkpoint_dir`` must lie under, refusing it now — before anything is marked,
+        pinned or written — if it does not, or if an existing directory on its way is a link."""
         if self.checkpoint_root is None:
             raise storage.refused(f"checkpoint_dir {checkpoint_dir!r} refused: this participant has no "
                                   "checkpoint root configured, so it writes and reads no checkpoint")
         storage.confine(self.checkpoint_root, checkpoint_dir)
+        await self._run_storage(storage.check_dir, self.checkpoint_root, checkpoint_dir, self.participant.kind,
+                                self.participant.instance)
         return self.checkpoint_root
 
     def _remaining(self, deadline_ts: float, what: str) -> float:
@@ -313,7 +316,7 @@ class ControlPlane:
 
     async def commit(self, req: CommitRequest) -> CommitReply:
         self.check_deadline(req, "commit")
-        root = self._confined(req.checkpoint_dir)
+        root = await self._confined(req.checkpoint_dir)
         cid = req.checkpoint_id
         scope = scope_keys(req.episode_ids)
         args = (req.checkpoint_dir, scope)
@@ -405,7 +408,7 @@ class ControlPlane:
 
     async def restore(self, req: RestoreRequest) -> RestoreReply:
         self.check_deadline(req, "restore")
-        root = self._confined(req.checkpoint_dir)
+        root = await self._confined(req.checkpoint_dir)
         cid = req.checkpoint_id
         scope = scope_keys(req.episode_ids) or ()
         args = (req.checkpoint_dir, scope)
