@@ -126,7 +126,8 @@ class Fleet:
             kind = KINDS[i % len(KINDS)]
             name = f"{kind}-{i:04d}"
             participant = build(kind, name)
-            control = ControlPlane(participant, state_dir=Path(a.state_dir) / name)
+            control = ControlPlane(participant, state_dir=Path(a.state_dir) / name,
+                                   checkpoint_root=a.checkpoint_root or Path(a.state_dir).resolve().parent)
             app = web.Application(client_max_size=CONTROL_MAX_SIZE, middlewares=[self.middleware(name)])
             mount(app, control, token=os.environ["TIDELOG_CONTROL_TOKEN"])
             runner = web.AppRunner(app, access_log=None)
@@ -198,6 +199,8 @@ def main() -> int:
     p.add_argument("--first", type=int, default=0, help="index of the first server (names and kinds)")
     p.add_argument("--servers", type=int, default=64)
     p.add_argument("--state-dir", required=True)
+    p.add_argument("--checkpoint-root", default=None,
+                   help="where every checkpoint must lie (default: the state directory's parent)")
     p.add_argument("--episodes", type=int, default=2, help="live episodes per environment server")
     p.add_argument("--step-s", type=float, default=0.5, help="length of an episode's replay step")
     args = p.parse_args()

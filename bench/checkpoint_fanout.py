@@ -130,7 +130,7 @@ class Participants:
             with open(self.tmp / f"participants-{p}.log", "ab") as log:
                 self.popen.append(subprocess.Popen(
                     [sys.executable, str(ROOT / "bench" / "_fanout_participants.py"), "--first", str(first),
-                     "--servers", str(n), "--state-dir", str(self.tmp / "state"),
+                     "--servers", str(n), "--state-dir", str(self.tmp / "state"), "--checkpoint-root", str(self.tmp),
                      "--episodes", str(self.episodes)],
                     cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log))
         for proc in self.popen:

@@ -72,6 +72,8 @@ class ErrorCode(str, Enum):
     #: A commit's or restore's ``checkpoint_dir`` outside the participant's checkpoint root: relative,
     #: not under the root, or reaching through a symbolic link (the detail names the rule).
     CHECKPOINT_DIR_REFUSED = "checkpoint_dir_refused"
+    #: A request body still arriving when the server's body deadline passed (the connection is closed).
+    BODY_TIMEOUT = "body_timeout"
 
 
 #: The HTTP status each code is sent with.
@@ -91,6 +93,7 @@ ERROR_STATUS: dict[ErrorCode, int] = {
     ErrorCode.INVALID_REQUEST: 422,
     ErrorCode.REQUEST_TOO_LARGE: 413,
     ErrorCode.CHECKPOINT_DIR_REFUSED: 422,
+    ErrorCode.BODY_TIMEOUT: 408,
 }
 
 

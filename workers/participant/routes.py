@@ -12,6 +12,7 @@ other exception from a hook is an ordinary server error (500), logged.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import os
@@ -23,6 +24,7 @@ import orjson
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from ..http_limits import BODY_TIMEOUT_S
 from ..protocol import CONTROL_PREFIX, REQUEST_MODELS, ErrorCode, ProtocolError
 from .control import ControlPlane
 
@@ -96,11 +98,15 @@ def _authorized(header: str | None, expected: bytes) -> bool:
     return hmac.compare_digest(got, expected)
 
 
-def mount(app: web.Application, control: ControlPlane, *, token: str, prefix: str = CONTROL_PREFIX) -> None:
+def mount(app: web.Application, control: ControlPlane, *, token: str, prefix: str = CONTROL_PREFIX,
+          body_timeout_s: float = BODY_TIMEOUT_S) -> None:
     """Install the checkpoint routes for ``control`` on ``app``, guarded by ``token``.
 
     Build ``app`` with ``client_max_size=CONTROL_MAX_SIZE`` (or more) so large scopes fit; a body
-    over the limit is answered 413 ``request_too_large``, never an untyped error.
+    over the limit is answered 413 ``request_too_large``, never an untyped error. A body that has
+    not arrived whole ``body_timeout_s`` after the request head is 408 ``body_timeout``. Serve the
+    app with ``web.AppRunner(app, **workers.http_limits.runner_options())`` so that a client
+    trickling its request head is cut off too.
     """
     if not token:
         raise ValueError("the checkpoint control token must not be empty")
@@ -122,7 +128,13 @@ def mount(app: web.Application, control: ControlPlane, *, token: str, prefix: st
             if not authorized(request):
                 return _error(ErrorCode.UNAUTHORIZED, "missing or wrong bearer token")
             try:
-                raw = await request.read()
+                async with asyncio.timeout(body_timeout_s):
+                    raw = await request.read()
+            except TimeoutError:
+                # A client trickling its body must not hold the route (and a connection) for good.
+                return web.json_response(ProtocolError(ErrorCode.BODY_TIMEOUT, (
+                    f"the {op} body did not arrive within {body_timeout_s:g} s")).body(), status=408,
+                    headers={"Connection": "close"})
             except web.HTTPRequestEntityTooLarge:
                 return _error(ErrorCode.REQUEST_TOO_LARGE,
                               f"the {op} body is larger than this server accepts; build its application "

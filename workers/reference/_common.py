@@ -28,6 +28,7 @@ from typing import Any, NoReturn
 import orjson
 from aiohttp import web
 
+from ..http_limits import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, runner_options
 from ..participant import ControlPlane, Participant, mount
 from ..participant.routes import CONTROL_MAX_SIZE
 from ..protocol import EpisodeId, ErrorCode, ProtocolError
@@ -103,6 +104,10 @@ def parser(kind: str, description: str) -> argparse.ArgumentParser:
     p.add_argument("--instance", default=f"{kind}-0", help=f"participant instance name (default {kind}-0)")
     p.add_argument("--lease-grace-seconds", type=finite_float(above=0), default=600.0,
                    help="how long past a call's deadline a checkpoint's lease lasts (default 600)")
+    p.add_argument("--header-timeout-s", type=finite_float(above=0), default=HEADER_TIMEOUT_S,
+                   help=f"a client must send a whole request head this soon (default {HEADER_TIMEOUT_S:g})")
+    p.add_argument("--body-timeout-s", type=finite_float(above=0), default=BODY_TIMEOUT_S,
+                   help=f"a request body must arrive whole this soon after its head (default {BODY_TIMEOUT_S:g})")
     return p
 
 
@@ -137,9 +142,19 @@ def build(participant: Participant, args: argparse.Namespace, token: str) -> web
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise StartupError(f"--state-dir {str(args.state_dir)!r} cannot hold this participant's state: "
                            f"{reason}") from None
+    for flag in ("header_timeout_s", "body_timeout_s"):
+        value = getattr(args, flag, 1.0)
+        if not 0 < value <= 3600:
+            raise StartupError(f"--{flag.replace('_', '-')} must be > 0 and at most 3600, not {value:g}")
+    body_timeout_s = getattr(args, "body_timeout_s", BODY_TIMEOUT_S)
     app = web.Application(middlewares=[protocol_errors], client_max_size=CONTROL_MAX_SIZE)
-    mount(app, control, token=token)
+    app[BODY_TIMEOUT] = body_timeout_s
+    mount(app, control, token=token, body_timeout_s=body_timeout_s)
     return app
+
+
+#: The app's body deadline (``--body-timeout-s``), read by :func:`read_body`.
+BODY_TIMEOUT: web.AppKey[float] = web.AppKey("body_timeout_s", float)
 
 
 def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -186,11 +201,17 @@ async def read_body(request: web.Request, limit: int = DATA_MAX_BODY) -> bytes:
         raise too_large
     chunks: list[bytes] = []
     size = 0
-    while chunk := await request.content.read(64 * 1024):
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
+    timeout = request.app.get(BODY_TIMEOUT, BODY_TIMEOUT_S)
+    try:
+        async with asyncio.timeout(timeout):
+            while chunk := await request.content.read(64 * 1024):
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ProtocolError(ErrorCode.BODY_TIMEOUT, f"the body of {request.path} did not arrive within "
+                                                    f"{timeout:g} s") from None
     return b"".join(chunks)
 
 
@@ -226,7 +247,8 @@ def serve(app: web.Application, args: argparse.Namespace) -> None:
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
 
     async def run() -> None:
-        runner = web.AppRunner(app)
+        # A client must send its request head within HEADER_TIMEOUT_S (workers/http_limits.py).
+        runner = web.AppRunner(app, **runner_options(getattr(args, "header_timeout_s", HEADER_TIMEOUT_S)))
         try:
             await runner.setup()
             site = web.TCPSite(runner, args.host, args.port)
