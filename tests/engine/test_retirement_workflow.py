@@ -6,6 +6,7 @@ refused; a forget of the retired one lifts the marks."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -151,7 +152,7 @@ async def test_a_retire_a_participant_refuses_fails_with_its_error(
     try:
         await wait_healthy(orch, stack)
         # The agent holds a checkpoint open that the journal knows nothing of: it refuses the retire.
-        await c.ok(stack.url("agent"), "prepare", {"checkpoint_id": "elsewhere", "deadline_ts": 1e10})
+        await c.ok(stack.url("agent"), "prepare", {"checkpoint_id": "elsewhere", "deadline_ts": time.time() + 3600})
         row = await retirement(orch, "retire-2", "retire", episodes=[EpisodeId(rollout_id="r9", attempt=2)])
         stages = await calls_by_stage(orch, stack, "retire-2")
     finally:
