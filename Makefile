@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 CONFIG ?= config.example.yaml
+# Test workers: most tests wait on processes and sockets, so more workers than cores pays off.
+PYTEST_WORKERS ?= 4
 
 .PHONY: run serve test typecheck bench clean
 
@@ -31,7 +33,7 @@ serve: $(VENV)/.installed-run
 
 test: $(VENV)/.installed-test
 	$(PY) -m mypy
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 bench: $(VENV)/.installed-test
 	$(PY) -m pip install --quiet -e '.[test,bench]'

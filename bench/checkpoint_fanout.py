@@ -8,7 +8,7 @@ runs ``--episodes`` live episodes, which a checkpoint parks and exports. Every p
 per control call, when the request reached its handler and when the reply was ready.
 
 **Fan-out** (per journal backend: a SQLite file in WAL with ``synchronous=FULL``; PostgreSQL on
-``TIDELOG_BENCH_POSTGRES_URL`` or 127.0.0.1:5432). An :class:`~engine.service.Orchestrator` (the
+``TIDELOG_BENCH_POSTGRES_URL`` or 127.0.0.1:5432). An :class:`~engine.runtime.service.Orchestrator` (the
 defaults of ``config.example.yaml``, but ``discovery.interval_s`` 600 so that no periodic re-probe
 of the 256 servers lands in a measured checkpoint) runs in this process; once every participant is
 ``healthy`` and a warm-up checkpoint is done, ``--rounds`` checkpoints are timed, each from the commit of
@@ -87,9 +87,9 @@ sys.path.insert(0, str(ROOT))
 
 from _databases import Database  # noqa: E402  (bench/, the script's folder)
 from engine.config import Settings  # noqa: E402
-from engine.controllers.checkpoint import STAGES, start_checkpoint  # noqa: E402
-from engine.leader import LEASE_NAME  # noqa: E402
-from engine.service import Orchestrator  # noqa: E402
+from engine.workflows.checkpoint.checkpoint import STAGES, start_checkpoint  # noqa: E402
+from engine.runtime.leader import LEASE_NAME  # noqa: E402
+from engine.runtime.service import Orchestrator  # noqa: E402
 from journal import Committed, Create, Journal, lease, models  # noqa: E402
 from journal.writes import Row, to_row  # noqa: E402
 from workers.protocol import CONTROL_PREFIX, EpisodeId  # noqa: E402
@@ -358,13 +358,13 @@ class Diagnosis:
 
     #: (module, class or None, attribute). A module-level function is wrapped where the checkpoint
     #: controller looks it up; targets the engine no longer has (or no longer as coroutines) are skipped.
-    TARGETS = (("engine.controllers.checkpoint", "CheckpointController", "reconcile"),
-               ("engine.controllers.checkpoint", "CheckpointController", "_members"),
-               ("engine.controllers.checkpoint", None, "read_calls"),
-               ("engine.controllers.checkpoint", "CheckpointController", "_settled"),
-               ("engine.controllers.checkpoint", "CheckpointController", "_write"),
+    TARGETS = (("engine.workflows.checkpoint.checkpoint", "CheckpointController", "reconcile"),
+               ("engine.workflows.checkpoint.checkpoint", "CheckpointController", "_members"),
+               ("engine.workflows.checkpoint.checkpoint", None, "read_calls"),
+               ("engine.workflows.checkpoint.checkpoint", "CheckpointController", "_settled"),
+               ("engine.workflows.checkpoint.checkpoint", "CheckpointController", "_write"),
                ("journal.outbox", None, "ensure_all"), ("journal.outbox", None, "next_due"),
-               ("engine.dispatcher", "Dispatcher", "_claim"), ("engine.dispatcher", "Dispatcher", "_record"))
+               ("engine.runtime.dispatcher", "Dispatcher", "_claim"), ("engine.runtime.dispatcher", "Dispatcher", "_record"))
 
     def __init__(self) -> None:
         self.stats: dict[str, list[float]] = {}

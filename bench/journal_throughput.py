@@ -46,9 +46,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from _dbos_peer import measure as measure_dbos  # noqa: E402
 
-from engine.clock import SystemClock  # noqa: E402
-from engine.committer import GroupCommitter  # noqa: E402
-from engine.reconciler import Context, Reconciler, Result  # noqa: E402
+from engine.runtime.clock import SystemClock  # noqa: E402
+from engine.runtime.committer import GroupCommitter  # noqa: E402
+from engine.runtime.reconciler import Context, Reconciler, Result  # noqa: E402
 from journal import EntityKind, Journal, StateMachine, Transition, lease, schema  # noqa: E402
 from journal.models import entity_columns  # noqa: E402
 

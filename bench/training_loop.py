@@ -5,10 +5,10 @@ PostgreSQL database on ``TIDELOG_BENCH_POSTGRES_URL`` or 127.0.0.1:5432, created
 here), against a peer that makes the same trainer and engine calls directly, with no journal and
 no reconciler, alternating with Tidelog job by job in the same run.
 
-**Training step** (``steps``). A real :class:`~engine.service.Orchestrator` (the defaults of
-``config.example.yaml``) runs a :class:`~engine.controllers.training.TrainingController` over
+**Training step** (``steps``). A real :class:`~engine.runtime.service.Orchestrator` (the defaults of
+``config.example.yaml``) runs a :class:`~engine.workflows.training.controller.TrainingController` over
 one ``workers.trainer.worker.Trainer`` rank (uni executor, with a ``state_dir``) and no engines.
-``--steps`` jobs are submitted one after another (``engine.training.submit_job`` in a journal
+``--steps`` jobs are submitted one after another (``engine.workflows.training.submit_job`` in a journal
 write), each to its own deployment: with no engines a job stays ``CHECKPOINT``, which is in
 flight, and a deployment has at most one job in flight. A job is timed from just before its
 submit transaction to the commit of ``CHECKPOINT`` (stamped by a journal commit listener). The
@@ -69,10 +69,10 @@ sys.path.insert(0, str(ROOT))
 
 from _databases import Database  # noqa: E402  (bench/, the script's folder)
 from engine.config import Settings  # noqa: E402
-from engine.controllers.publication import PublicationSettings  # noqa: E402
-from engine.controllers.training import TrainingController, TrainingSettings  # noqa: E402
-from engine.service import Orchestrator  # noqa: E402
-from engine.training import job_identity, submit_job  # noqa: E402
+from engine.workflows.training.publication import PublicationSettings  # noqa: E402
+from engine.workflows.training.controller import TrainingController, TrainingSettings  # noqa: E402
+from engine.runtime.service import Orchestrator  # noqa: E402
+from engine.workflows.training import job_identity, submit_job  # noqa: E402
 from journal import Committed, models  # noqa: E402
 from workers.executor import Executor, ExecutorConfig, WorkerSpec  # noqa: E402
 from workers.inference.sglang import SGLangConfig, SGLangEngine  # noqa: E402

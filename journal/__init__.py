@@ -6,10 +6,8 @@ through :class:`WriteTx` (``create``/``transition``), queue RPC intents with
 audit with :mod:`journal.audit`. This package imports no HTTP, Ray or torch.
 """
 
-from .batch import Create, Transition
+from .commits import Committed, Fence
 from .database import (
-    Committed,
-    Fence,
     InvalidJournalURL,
     Journal,
     JournalNotFound,
@@ -35,6 +33,7 @@ from .errors import (
 )
 from .machines import StateMachine
 from .registry import EntityKind, KindRegistry, builtin_kinds
+from .ops import Create, Transition
 from .writes import Row, WriteTx
 
 __all__ = [

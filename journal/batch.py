@@ -19,42 +19,17 @@ Each successful operation still records its own event, exactly as
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .commits import Committed, Fence
 from .errors import ConstraintViolation, DuplicateEntity, JournalError, StaleRow
+from .ops import Create, Op, Outcome, Transition, runs
 
 if TYPE_CHECKING:
-    from .database import Committed, Fence, Journal
+    from .database import Journal
     from .writes import WriteTx
-
-
-@dataclass(frozen=True)
-class Create:
-    kind: str
-    entity_id: str
-    reason: str
-    values: Mapping[str, Any] = field(default_factory=dict)
-    state: str | None = None
-    note: Mapping[str, Any] | None = None
-    if_absent: bool = False
-
-
-@dataclass(frozen=True)
-class Transition:
-    kind: str
-    entity_id: str
-    from_state: str
-    version: int
-    to_state: str
-    reason: str
-    changes: Mapping[str, Any] = field(default_factory=dict)
-    note: Mapping[str, Any] | None = None
-
-
-Op = Create | Transition
-Outcome = list["Committed | None"] | Exception
 
 
 class _Retry(Exception):
@@ -107,8 +82,6 @@ async def _apply(tx: WriteTx, groups: Sequence[Sequence[Op]]) -> list[Outcome | 
     errors: dict[int, Exception] = {}
     flat = [(g, k, op, prep) for g, ops in enumerate(prepared) if ops is not None
             for k, (op, prep) in enumerate(zip(groups[g], ops))]
-    from .writes import runs
-
     for start, end in runs([op for _, _, op, _ in flat]):
         span = flat[start:end]
         # A run of one shape goes at once (SQLite executemany, PostgreSQL one statement) when every
@@ -136,3 +109,7 @@ async def _apply(tx: WriteTx, groups: Sequence[Sequence[Op]]) -> list[Outcome | 
             out.append(tx.record_prepared(op, ops[k]) if done.get((g, k)) else None)
         results[g] = out
     return results
+
+
+# Create, Op, Outcome and Transition live in journal.ops; they are named here too, where they were first.
+__all__ = ["Create", "Op", "Outcome", "Transition", "apply_groups"]

@@ -29,7 +29,9 @@ from sqlalchemy.exc import ArgumentError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from . import batch_pg
-from .batch import Op, Outcome, apply_groups
+from .batch import apply_groups
+from .commits import CommitListener, Committed, Fence
+from .ops import Op, Outcome
 from .errors import JournalError, UnsupportedJournalURL
 from .registry import KindRegistry, builtin_kinds
 from .types import dumps, loads
@@ -217,29 +219,6 @@ class JournalURL:
                          urllib.parse.quote_plus(str(password))}:
                 text = text.replace(form, "***")
         return text
-
-
-@dataclass(frozen=True)
-class Fence:
-    """Who writes: the lease name, the holder, and the epoch the holder claims."""
-
-    lease: str
-    holder: str
-    epoch: int
-
-
-@dataclass(frozen=True)
-class Committed:
-    """One entity write made durable by a commit (handed to commit listeners)."""
-
-    kind: str
-    entity_id: str
-    from_state: str | None
-    to_state: str
-    version: int
-
-
-CommitListener = Callable[[Sequence[Committed]], None]
 
 
 def _install_sqlite_pragmas(engine: AsyncEngine, busy_timeout_ms: int, read_only: bool = False) -> None:

@@ -16,7 +16,8 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
 from . import models
-from .database import Fence, Journal
+from .commits import Fence
+from .database import Journal
 from .errors import LeaseLost
 
 

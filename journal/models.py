@@ -217,7 +217,7 @@ training_jobs = sa.Table(
     "training_jobs",
     metadata,
     # id: the job's identity, SHA-256 of its canonical payload without scenario step, batch
-    # number and base version (engine.training.identity.job_identity).
+    # number and base version (engine.workflows.training.identity.job_identity).
     *entity_columns(),
     sa.Column("deployment", sa.String(255), nullable=False),
     sa.Column("payload", JSONValue(), nullable=False),

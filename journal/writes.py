@@ -31,13 +31,15 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql.base import PGDialect
 
 from . import models
-from .batch import Create, Op, Transition
+from .commits import Committed, Fence
+from .ops import MAX_RUN, MIN_RUN, Create, Op, Transition, runs
+from .statements_pg import create_statement, create_value_names, pad, transition_statement, transition_value_names
 from .errors import ConstraintViolation, DuplicateEntity, InvalidPayload, LeaseLost, StaleRow
 from .types import Encoded, dumps
 from .writer import Buffered, Params, Writer
 
 if TYPE_CHECKING:
-    from .database import Committed, Fence, Journal
+    from .database import Journal
 
 
 def jsonable(value: Any) -> Any:
@@ -229,7 +231,6 @@ class WriteTx:
     async def _postgresql_many(self, ops: Sequence[Op], preps: Sequence[dict[str, Any]], table: sa.Table) -> bool:
         """PostgreSQL: the run's rows and their events in one statement (``VALUES`` list, data-modifying
         CTEs); all written, or rolled back to a savepoint."""
-        from .batch_pg import create_statement, create_value_names, pad, transition_statement, transition_value_names
 
         fence = self.fence
         common = {"now": self.now, "kind": ops[0].kind, "actor": fence.holder if fence else self.journal.actor,
@@ -381,8 +382,7 @@ class WriteTx:
     def record_prepared(self, op: Op, prep: dict[str, Any]) -> Committed:
         """Queue the event of an operation that was written (unless its statement wrote it)."""
         if prep.get("event_written"):
-            from .database import Committed
-
+    
             done = Committed(op.kind, op.entity_id, None if isinstance(op, Create) else op.from_state,
                              prep["state"] if isinstance(op, Create) else op.to_state,
                              1 if isinstance(op, Create) else op.version + 1)
@@ -462,7 +462,6 @@ class WriteTx:
 
     def _record(self, kind: str, entity_id: str, from_state: str | None, to_state: str,
                 version: int, reason: str, payload: Encoded | None) -> Committed:
-        from .database import Committed
 
         self._events.append(self._event_row(kind, entity_id, from_state, to_state, version, reason, payload))
         done = Committed(kind, entity_id, from_state, to_state, version)
@@ -473,38 +472,6 @@ class WriteTx:
         """The event insert to run just before the commit (with its rows)."""
         events, self._events = self._events, []
         return (sa.insert(models.events) if events else None), events
-
-
-#: Shortest run of same-shaped operations worth an ``executemany`` (it costs two savepoint statements).
-MIN_RUN = 4
-#: Longest run in one statement (PostgreSQL: keeps the bind parameters well below its 32767).
-MAX_RUN = 500
-
-
-def runs(ops: Sequence[Op]) -> list[tuple[int, int]]:
-    """``[start, end)`` spans of ``ops``: each run of ``MIN_RUN`` or more (at most ``MAX_RUN``)
-    consecutive operations of one shape (creates of one kind; transitions of one kind setting the
-    same columns), each of a different row, is one span; every other operation is a span of its own."""
-    spans: list[tuple[int, int]] = []
-    i = 0
-    while i < len(ops):
-        j = i + 1
-        shape, seen = _shape(ops[i]), {ops[i].entity_id}
-        while j < len(ops) and j - i < MAX_RUN and _shape(ops[j]) == shape and ops[j].entity_id not in seen:
-            seen.add(ops[j].entity_id)
-            j += 1
-        if j - i >= MIN_RUN:
-            spans.append((i, j))
-        else:
-            spans += [(k, k + 1) for k in range(i, j)]
-        i = j
-    return spans
-
-
-def _shape(op: Op) -> tuple[str, str, tuple[str, ...]]:
-    if isinstance(op, Create):
-        return ("create", op.kind, ())
-    return ("transition", op.kind, tuple(sorted(op.changes)))
 
 
 @lru_cache(maxsize=256)
@@ -606,3 +573,6 @@ def _frozen(stmt: sa.Insert, types: Mapping[str, Any], **returning: Any) -> sa.T
 def to_row(kind: str, mapping: Mapping[Any, Any]) -> Row:
     values = {k: v for k, v in mapping.items() if k not in ("id", "state", "version")}
     return Row(kind, mapping["id"], mapping["state"], mapping["version"], values)
+
+
+__all__ = ["MAX_RUN", "MIN_RUN", "Row", "WriteTx", "jsonable", "runs", "to_row"]

@@ -15,7 +15,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from engine.reconciler import Context, Result
+from engine.runtime.reconciler import Context, Result
 from journal import EntityKind, Journal, StateMachine, WriteTx, outbox
 from journal.models import entity_columns
 from journal.writes import Row

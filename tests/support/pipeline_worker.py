@@ -13,9 +13,9 @@ import sys
 
 import sqlalchemy as sa
 
-from engine.clock import SystemClock
+from engine.runtime.clock import SystemClock
 from engine.config import Settings
-from engine.service import Orchestrator, open_journal
+from engine.runtime.service import Orchestrator, open_journal
 from tests.support import pipeline
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from engine.training import submit_job
+from engine.workflows.training import submit_job
 from journal import Journal, models
 from tests.workers.trainer.jobs import make_job
 

@@ -21,13 +21,13 @@ again and waits; ``JobConflict`` (another job still in flight) is waited out and
 Exit 0 when all N jobs are ``COMPLETE`` and every ``engines`` row is ``serving`` the committed
 head — at once, without the orchestrator's graceful stop (not what this harness tests; its
 trainer process follows when it sees this one gone); 3 on a time-out (what was seen goes to
-stderr); 4 when a job ended ``FAILED`` or ``REJECTED``. ``TIDELOG_CRASH_AT`` (engine/crash.py)
+stderr); 4 when a job ended ``FAILED`` or ``REJECTED``. ``TIDELOG_CRASH_AT`` (engine/runtime/crash.py)
 kills it with SIGKILL right after that commit.
 
 Test-only faults — things a real part cannot be made to do on demand:
 
 - ``TIDELOG_TEST_TRAINER_DIE=<method>:<before|after>[@N]``: the trainer rank is
-  ``tests.support.faulty_trainer.FaultyTrainer`` (``engine.training.wiring.TRAINER`` is pointed at
+  ``tests.support.faulty_trainer.FaultyTrainer`` (``engine.workflows.training.wiring.TRAINER`` is pointed at
   it), which SIGKILLs its own process at that point once per WORKDIR;
 - ``TIDELOG_TEST_ENGINE_DIE=<index>:<path>``: on a journal with no job yet, once every engine row
   is ``serving`` and before the first job is submitted, arm the reference engine ``<index>``'s
@@ -48,8 +48,8 @@ import aiohttp
 import sqlalchemy as sa
 
 from engine.config import Settings
-from engine.service import Orchestrator
-from engine.training import JobConflict, submit_job
+from engine.runtime.service import Orchestrator
+from engine.workflows.training import JobConflict, submit_job
 from journal import Journal, models, schema
 
 DEPLOYMENT = "dep"
@@ -127,7 +127,7 @@ async def arm_engine_death(spec: str, engine_urls: list[str]) -> None:
 
 async def main(journal_url: str, workdir: str, n: int, initial_weights: str, engine_urls: list[str]) -> int:
     if os.environ.get(TRAINER_DIE_ENV):
-        from engine.training import wiring
+        from engine.workflows.training import wiring
         from tests.support import faulty_trainer
         faulty_trainer.parse(os.environ[TRAINER_DIE_ENV])  # a typo fails here, not in the trainer
         wiring.TRAINER = faulty_trainer.IMPORT_PATH

@@ -24,12 +24,12 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from engine.clock import SystemClock
+from engine.runtime.clock import SystemClock
 from engine.config import Settings
-from engine.controllers.checkpoint import start_checkpoint
-from engine.controllers.restore import resolve_checkpoint, start_restore
-from engine.controllers.retirement import request_retirement
-from engine.service import Orchestrator, open_journal
+from engine.workflows.checkpoint.checkpoint import start_checkpoint
+from engine.workflows.checkpoint.restore import resolve_checkpoint, start_restore
+from engine.workflows.checkpoint.retirement import request_retirement
+from engine.runtime.service import Orchestrator, open_journal
 from journal import WriteTx, models
 from journal.writes import to_row
 from tests.support.reference_procs import TOKEN

@@ -27,8 +27,8 @@ import pytest
 import sqlalchemy as sa
 
 from engine.config import Settings
-from engine.controllers.checkpoint import start_checkpoint
-from engine.service import Orchestrator
+from engine.workflows.checkpoint.checkpoint import start_checkpoint
+from engine.runtime.service import Orchestrator
 from journal import Journal, audit, models
 from journal.writes import to_row
 from tests.support.audit_sql import queries

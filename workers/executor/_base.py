@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import abc
 import logging
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from workers.executor._failure import ExecutorFailure, FailureListener, FailureState
@@ -49,6 +50,17 @@ def _check_args(args: object, kwargs: object) -> tuple[tuple[Any, ...], dict[str
     return args, kwargs
 
 
+#: Builds the executor a config selects (``workers.executor._select.create_executor``, installed
+#: when the package is imported, so that this module never imports the selection back).
+_factory: Callable[[ExecutorConfig], Executor] | None = None
+
+
+def install_factory(factory: Callable[[ExecutorConfig], Executor]) -> None:
+    """Make ``factory`` what :meth:`Executor.create` builds with."""
+    global _factory
+    _factory = factory
+
+
 class Executor(abc.ABC):
     """A group of worker ranks driven by ordered control RPC (see the module docstring).
 
@@ -74,9 +86,9 @@ class Executor(abc.ABC):
     @classmethod
     def create(cls, config: ExecutorConfig) -> Executor:
         """Build the executor ``config.backend`` selects (``auto`` decides and logs why)."""
-        from workers.executor._select import create_executor
-
-        return create_executor(config)
+        if _factory is None:  # pragma: no cover - the package's __init__ imports _select, which installs it
+            raise RuntimeError("workers.executor._select was not imported: no executor factory installed")
+        return _factory(config)
 
     @abc.abstractmethod
     def _init_executor(self) -> None:

@@ -35,6 +35,7 @@ from workers.executor._base import SubmittingExecutor
 from workers.executor._failure import SHUT_DOWN_MESSAGE
 from workers.executor._future import ExecutorFuture
 from workers.executor._mp_child import RemoteWorkerError, child_main
+from workers.executor._devices import local_cuda_masks
 from workers.executor._spec import (
     ExecutorConfig,
     ExecutorConfigError,
@@ -86,8 +87,6 @@ def validate_mp_config(config: ExecutorConfig) -> list[str | None]:
                 config.gpus_per_worker,
                 "cannot be combined with a worker's cuda_visible_devices option",
             )
-        from workers.executor._select import local_cuda_masks
-
         masks = list(local_cuda_masks(len(config.workers), config.gpus_per_worker))
     return masks
 

@@ -23,11 +23,12 @@ backend and the reason.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from typing import Any
 
+from workers.executor import _base
 from workers.executor._base import Executor
+from workers.executor._devices import local_cuda_masks
 from workers.executor._spec import ExecutorConfig, ExecutorConfigError, import_object
 
 __all__ = ["BUILTIN_BACKENDS", "create_executor", "local_cuda_masks", "select_backend"]
@@ -122,38 +123,5 @@ def create_executor(config: ExecutorConfig) -> Executor:
     return cls(config)
 
 
-def local_cuda_masks(workers: int, gpus_per_worker: float) -> tuple[str, ...]:
-    """Disjoint ``CUDA_VISIBLE_DEVICES`` masks, one per worker, from the locally visible GPUs.
-
-    Raises ``ExecutorConfigError`` for fractional GPUs or when fewer GPUs are
-    visible than ``workers * gpus_per_worker``. Imports torch only here.
-    """
-    if gpus_per_worker != int(gpus_per_worker) or gpus_per_worker < 1:
-        raise ExecutorConfigError(
-            "ExecutorConfig.gpus_per_worker", gpus_per_worker, "local backends need whole GPUs (>= 1)"
-        )
-    per = int(gpus_per_worker)
-    needed = workers * per
-    visible = _visible_devices()
-    if len(visible) < needed:
-        raise ExecutorConfigError(
-            "ExecutorConfig.gpus_per_worker",
-            gpus_per_worker,
-            f"{workers} worker(s) need {needed} whole local GPU(s) but {len(visible)} are visible; "
-            "select backend 'ray' for cluster scheduling",
-        )
-    return tuple(",".join(visible[rank * per : (rank + 1) * per]) for rank in range(workers))
-
-
-def _visible_devices() -> list[str]:
-    try:
-        import torch
-    except ImportError:
-        return []
-    count = int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
-    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if listed is None:
-        return [str(index) for index in range(count)]
-    # Masks name the caller's devices as it sees them, so a rank never escapes the caller's mask.
-    names = [part.strip() for part in listed.split(",") if part.strip()]
-    return names[:count]
+# Executor.create builds through this module; installed here so _base never imports it back.
+_base.install_factory(create_executor)

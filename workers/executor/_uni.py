@@ -18,6 +18,7 @@ from typing import Any
 from workers.executor._base import SubmittingExecutor
 from workers.executor._failure import SHUT_DOWN_MESSAGE
 from workers.executor._future import ExecutorFuture
+from workers.executor._devices import local_cuda_masks
 from workers.executor._spec import ExecutorConfig, ExecutorConfigError, ExecutorLaunchError
 
 __all__ = ["UniExecutor"]
@@ -36,8 +37,6 @@ def validate_uni_config(config: ExecutorConfig) -> None:
     if config.node_id is not None:
         raise ExecutorConfigError("ExecutorConfig.node_id", config.node_id, "the uni backend cannot place workers")
     if config.gpus_per_worker:
-        from workers.executor._select import local_cuda_masks
-
         local_cuda_masks(len(config.workers), config.gpus_per_worker)  # uni keeps the caller's visibility
     for rank, spec in enumerate(config.workers):
         if spec.options:

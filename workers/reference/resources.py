@@ -14,7 +14,7 @@
 :func:`check_ok`: the action's first byte, two hex digits, is not a multiple of 3 — for the
 digest actions of the model's default mode) or ``letter:<c>[:<n>]`` (the action holds the
 letter ``c`` at least ``n`` times, default once — a rule a policy generating text can learn:
-the RL demo, ``engine/demo_training.py``).
+the RL demo, ``engine/demos/training.py``).
 
 ``--mode exported`` (the default here, so episodes are checkpointable mid-episode; the
 kind's own default stays ``restart_only``) exports each session's state

@@ -1,4 +1,4 @@
-"""What the RL demo (``engine/demo_training.py``) adds to the reference servers: the engine's seeded
+"""What the RL demo (``engine/demos/training.py``) adds to the reference servers: the engine's seeded
 sampling, the model participant generating its actions on an engine (``--engine``), and the
 resources server's learnable ``--task`` rule. Without these options nothing changes (the other
 tests of this package run the defaults)."""

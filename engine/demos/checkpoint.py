@@ -1,0 +1,315 @@
+"""``tidelog demo``: checkpoint a fleet mid-episode, crash every participant, restore, finish.
+
+Runs everything as real processes on loopback: the orchestrator (``tidelog serve`` over a SQLite
+journal file, or ``--journal-url``) and the four reference participants. Then, as a trainer would:
+
+1. dispatch episodes to the environment (``/run``) and let them get mid-way;
+2. take a checkpoint through the API and wait until it is published and resumed;
+3. SIGKILL every participant — the episodes in flight die with them;
+4. start fresh participants on the same ports (same state directories: retire marks survive);
+5. restore the latest checkpoint through the API;
+6. send each episode again as its next attempt, which continues from its checkpointed boundary;
+
+and prints a short report — episodes continued, steps not repeated (the participants count every
+step they complete), time per phase — and the SQL that shows the audit trail. Exit 0 when every
+episode finished and no step ran twice, else 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+from engine.demos.arguments import checkpoint_demo_arguments
+
+KINDS = ("environment", "model", "agent", "resources")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Fleet:
+    """The processes the demo runs, and their logs under ``workdir/logs``."""
+
+    def __init__(self, workdir: Path, token: str) -> None:
+        self.workdir = workdir
+        self.env = {**os.environ, "TIDELOG_CONTROL_TOKEN": token, "PYTHONPATH": str(ROOT)}
+        self.ports = {kind: free_port() for kind in KINDS}
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        (workdir / "logs").mkdir(parents=True, exist_ok=True)
+
+    def url(self, kind: str) -> str:
+        return f"http://127.0.0.1:{self.ports[kind]}"
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        log = open(self.workdir / "logs" / f"{name}.log", "ab")  # noqa: SIM115 - the child owns it
+        proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=self.env, stdout=log, stderr=log)
+        self.procs[name] = proc
+        return proc
+
+    def start_participants(self, step_delay: float) -> None:
+        extra = {"agent": ["--model", self.url("model")],
+                 "environment": ["--agent", self.url("agent"), "--resources", self.url("resources"),
+                                 "--step-delay", str(step_delay)]}
+        for kind in KINDS:
+            self._spawn(kind, ["-m", f"workers.reference.{kind}", "--port", str(self.ports[kind]),
+                               "--state-dir", str(self.workdir / "state" / kind),
+                               # the orchestrator's checkpoint directory (see the config below) lies here
+                               "--checkpoint-root", str(self.workdir.resolve()), *extra.get(kind, [])])
+
+    def kill_participants(self) -> None:
+        for kind in KINDS:
+            proc = self.procs.pop(kind)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+
+    def start_orchestrator(self, config: Path) -> None:
+        self._spawn("orchestrator", ["-m", "engine.cli", "--config", str(config), "serve"])
+
+    def stop_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+class Api:
+    def __init__(self, http: aiohttp.ClientSession, base: str, token: str) -> None:
+        self.http, self.base = http, base
+        self.auth = {"Authorization": f"Bearer {token}"}
+
+    async def get(self, path: str) -> Any:
+        async with self.http.get(self.base + path) as resp:
+            return await resp.json(content_type=None) if resp.status == 200 else None
+
+    async def post(self, path: str, body: dict[str, Any]) -> Any:
+        async with self.http.post(self.base + path, json=body, headers=self.auth) as resp:
+            reply = await resp.json(content_type=None)
+            if resp.status >= 300:
+                raise RuntimeError(f"POST {path}: HTTP {resp.status} {reply}")
+            return reply
+
+    async def wait(self, path: str, done: set[str], timeout: float = 120.0) -> dict[str, Any]:
+        end = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < end:
+            row = await self.get(path)
+            if row is not None:
+                state = row.get("state")
+                if state != last:
+                    print(f"  {path.rsplit('/', 1)[-1]}: {state}", flush=True)
+                    last = state
+                if state in done:
+                    return dict(row)
+            await asyncio.sleep(0.1)
+        raise TimeoutError(f"{path} did not finish within {timeout:.0f} s")
+
+
+async def until_up(http: aiohttp.ClientSession, url: str, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            async with http.get(url) as resp:
+                if resp.status < 500:
+                    return
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(0.1)
+    raise TimeoutError(f"{url} did not come up within {timeout:.0f} s")
+
+
+async def statuses(http: aiohttp.ClientSession, fleet: Fleet, token: str) -> dict[str, dict[str, Any]]:
+    out = {}
+    for kind in KINDS:
+        async with http.get(f"{fleet.url(kind)}/ng-control/v1/checkpoint/status",
+                            headers={"Authorization": f"Bearer {token}"}) as resp:
+            out[kind] = await resp.json()
+    return out
+
+
+def checkpointed_steps(checkpoint_dir: Path) -> dict[str, set[str]]:
+    """Per rollout, the environment steps its checkpointed boundary says were already completed."""
+    done: dict[str, set[str]] = {}
+    for path in (checkpoint_dir / "gym" / "environment").glob("*/records-*.jsonl"):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            rollout = record["episode_id"]["rollout_id"]
+            boundary = record.get("boundary") or {}
+            steps = {f"turn-{t}:act" for t in range(1, boundary.get("turn", 0) + 1)}
+            steps |= {f"turn-{t}:check" for t in range(1, len(boundary.get("checks", [])) + 1)}
+            if boundary.get("next") == "return":
+                steps.add("verify")
+            done[rollout] = steps
+    return done
+
+
+def all_steps(turns: int) -> set[str]:
+    return {f"turn-{t}:{s}" for t in range(1, turns + 1) for s in ("act", "check")} | {"verify"}
+
+
+async def run(args: argparse.Namespace) -> int:
+    workdir: Path = args.workdir.resolve()
+    if workdir.exists():
+        shutil.rmtree(workdir)
+    workdir.mkdir(parents=True)
+    token = secrets.token_urlsafe(24)
+    fleet = Fleet(workdir, token)
+    journal_url = args.journal_url or f"sqlite+aiosqlite:///{workdir / 'tidelog.db'}"
+    api_port = free_port()
+    config = workdir / "tidelog.yaml"
+    config.write_text(yaml.safe_dump({
+        "journal": {"url": journal_url},
+        "api": {"port": api_port},
+        "orchestrator": {"lease_ttl_s": 5, "lease_renew_s": 1},
+        "discovery": {"probe_timeout_s": 2, "interval_s": 5},
+        "checkpoint": {"directory": str(workdir / "checkpoints"), "prepare_timeout_s": 20},
+        "participants": [{"name": f"{kind}-0", "url": fleet.url(kind)} for kind in KINDS],
+        "logging": {"level": "WARNING", "format": "text"},
+    }))
+    phases: dict[str, float] = {}
+    print(f"tidelog demo: working in {workdir}")
+    migrate = subprocess.run([sys.executable, "-m", "engine.cli", "--config", str(config), "migrate"], cwd=ROOT,
+                             env=fleet.env, capture_output=True, text=True)
+    if migrate.returncode != 0:
+        print(migrate.stderr, file=sys.stderr)
+        return 1
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
+            fleet.start_participants(args.step_delay)
+            fleet.start_orchestrator(config)
+            api = Api(http, f"http://127.0.0.1:{api_port}", token)
+            for kind in KINDS:
+                await until_up(http, fleet.url(kind) + "/ng-control/v1/checkpoint/status")
+            await until_up(http, api.base + "/healthz")
+            while True:  # discovery finds the four participants healthy
+                rows = await api.get("/v1/participants") or {}
+                items = rows.get("participants", rows) if isinstance(rows, dict) else rows
+                if len([p for p in items if p.get("health") == "healthy"]) == len(KINDS):
+                    break
+                await asyncio.sleep(0.2)
+
+            tasks = {f"ep{i}": {"prompt": f"demo task {i}", "turns": args.turns} for i in range(args.episodes)}
+            print(f"dispatching {len(tasks)} episodes of {args.turns} turns each")
+            runs = {rid: asyncio.create_task(http.post(f"{fleet.url('environment')}/run",
+                                                       json={"rollout_id": rid, "task": task}))
+                    for rid, task in tasks.items()}
+            await asyncio.sleep(args.step_delay * 3)
+
+            started = time.perf_counter()
+            checkpoint_id = (await api.post("/v1/checkpoints", {}))["checkpoint_id"]
+            print(f"checkpoint {checkpoint_id} taken mid-episode")
+            row = await api.wait(f"/v1/checkpoints/{checkpoint_id}", {"done", "aborted", "failed"})
+            phases["checkpoint"] = time.perf_counter() - started
+            if row["state"] != "done":
+                print(f"tidelog demo: the checkpoint ended {row['state']}: {row.get('detail')}", file=sys.stderr)
+                return 1
+            scope = list(row.get("scope") or [])
+            row_dir = str(Path(row["checkpoint_dir"]) / checkpoint_id)
+
+            fleet.kill_participants()
+            print(f"SIGKILLed all {len(KINDS)} participants; {len(scope)} episodes were in the checkpoint")
+            finished_before = {rid for rid, t in runs.items() if t.done() and not t.exception()}
+            for t in runs.values():
+                t.cancel()
+            started = time.perf_counter()
+            fleet.start_participants(args.step_delay)
+            for kind in KINDS:
+                await until_up(http, fleet.url(kind) + "/ng-control/v1/checkpoint/status")
+            phases["participants restart"] = time.perf_counter() - started
+
+            started = time.perf_counter()
+            restore = await api.post("/v1/restores", {"checkpoint_id": checkpoint_id})
+            row = await api.wait(f"/v1/restores/{restore['restore_id']}", {"done", "failed"})
+            phases["restore"] = time.perf_counter() - started
+            if row["state"] != "done":
+                print(f"tidelog demo: the restore failed: {row.get('detail')}", file=sys.stderr)
+                return 1
+
+            started = time.perf_counter()
+            from workers.protocol import EpisodeId
+            continued = [EpisodeId.from_capture_key(k) for k in scope]
+
+            async def finish(episode: EpisodeId) -> dict[str, Any]:
+                nxt = episode.next_attempt()
+                async with http.post(f"{fleet.url('environment')}/run", json={
+                        "rollout_id": nxt.rollout_id, "attempt": nxt.attempt, "task": tasks[nxt.rollout_id]}) as resp:
+                    reply: dict[str, Any] = await resp.json()
+                    if resp.status != 200:
+                        raise RuntimeError(f"/run of {nxt.capture_key}: HTTP {resp.status} {reply}")
+                    return reply
+            results = await asyncio.gather(*(finish(e) for e in continued))
+            phases["finish continued episodes"] = time.perf_counter() - started
+            after = await statuses(http, fleet, token)
+
+        # The environment's steps of each continued episode: those its checkpointed boundary holds,
+        # plus those the replacement attempt ran, must be every step of the episode, each once.
+        done_before = checkpointed_steps(Path(row_dir))
+        repeated: dict[str, list[str]] = {}
+        for episode in continued:
+            ran = after["environment"].get("executions", {}).get(episode.next_attempt().capture_key, {})
+            again = sorted(set(ran) & done_before.get(episode.rollout_id, set()))
+            twice = sorted(step for step, n in ran.items() if n != 1)
+            missing = sorted(all_steps(args.turns) - set(ran) - done_before.get(episode.rollout_id, set()))
+            if again or twice or missing:
+                repeated[episode.rollout_id] = again + twice + [f"missing {m}" for m in missing]
+        steps_after = sum(sum(v.values()) for v in after["environment"].get("executions", {}).values())
+        steps_before = sum(len(v) for v in done_before.values())
+        print()
+        print("report")
+        print(f"  episodes continued from their checkpointed boundary: {len(results)} of {len(scope)}"
+              f" (finished before the crash: {len(finished_before)})")
+        print(f"  environment steps: {steps_before} kept by the checkpoint, {steps_after} run after the restore; "
+              f"steps run again or lost: {sum(len(v) for v in repeated.values())}")
+        for name, seconds in phases.items():
+            print(f"  {name:<28} {seconds:6.2f} s")
+        print()
+        print("audit trail (SQLite shell):")
+        print(f"  sqlite3 {workdir / 'tidelog.db'} \"SELECT seq, ts, entity_kind, entity_id, from_state, to_state, "
+              f"reason FROM events WHERE entity_kind IN ('checkpoints', 'restores') ORDER BY seq;\"")
+        print("  more queries: docs/audit.md")
+        if repeated:
+            print(f"tidelog demo: steps run again or lost: {json.dumps(repeated)}", file=sys.stderr)
+            return 1
+        return 0 if len(results) == len(scope) else 1
+    finally:
+        fleet.stop_all()
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    if args.episodes < 1 or args.turns < 1 or args.step_delay < 0:
+        print("tidelog demo: --episodes and --turns must be >= 1, --step-delay >= 0", file=sys.stderr)
+        return 2
+    return asyncio.run(run(args))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="tidelog demo", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    checkpoint_demo_arguments(p)
+    return run_demo(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

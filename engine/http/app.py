@@ -1,0 +1,157 @@
+"""The orchestrator's HTTP API (aiohttp).
+
+Reads are open and answered by any replica (straight from the journal);
+mutating routes need ``Authorization: Bearer <control token>`` (compared in
+constant time) and are answered only by the leader. Every error is
+``{"error": {"code", "detail"}}`` with a specific code: ``invalid_query`` (400,
+naming the parameter, the value and the rule), ``invalid_body`` (422, naming
+the field, the value and the rule; also ``"field"``), ``unauthorized`` (401),
+``not_found`` (404), ``checkpoint_open``, ``restore_open``,
+``no_participants``, ``already_exists``, ``not_abortable``, ``job_conflict``,
+``job_closed``, ``job_state`` (409), ``checkpoint_unverified`` (422),
+``not_leader``, ``workflow_unavailable``, ``training_disabled`` and
+``trainer_unavailable`` (503); ``directory_refused`` (422), ``checkpoint_not_published`` and
+``checkpoint_mismatch`` (409); and, from :mod:`workers.http_limits`, ``request_too_large``
+(413), ``body_timeout`` (408), ``method_not_allowed`` (405). No input is answered 500
+(docs/security.md): a NUL in the path or the query is refused by :func:`refuse_nul`.
+
+The checkpoint workflows' routes (checkpoints, restores, retire, forget) are in
+:mod:`engine.workflows.checkpoint.api`; the training routes (jobs, publications, engines)
+in :mod:`engine.workflows.training.api`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+from aiohttp import web
+
+from journal import audit, lease, models
+from workers.http_limits import limits_middleware
+
+from engine.http.query import QueryError, entity_counts, event_json, parse_event_filter, single_values
+from engine.http.shell import Handler, bearer_matches, error, refuse_nul
+from engine.runtime.leader import LEASE_NAME
+from engine.runtime.service import Orchestrator
+from engine.workflows.checkpoint.api import add_workflow_routes
+from engine.workflows.training.api import add_training_routes
+
+ORCH: web.AppKey[Orchestrator] = web.AppKey("orchestrator", Orchestrator)
+
+
+def participant_json(m: Any) -> dict[str, Any]:
+    return {"name": m["id"], "url": m["url"], "health": m["state"], "kind": m["kind"],
+            "instance": m["instance"], "phase": m["phase"], "detail": m["detail"],
+            "probe_failures": m["probe_failures"], "version": m["version"],
+            "last_probe_at": m["last_probe_at"].isoformat() if m["last_probe_at"] else None,
+            "updated_at": m["updated_at"].isoformat()}
+
+
+def make_app(orch: Orchestrator) -> web.Application:
+    token = orch.settings.token()
+
+    def mutating(handler: Handler) -> Handler:
+        async def wrapped(request: web.Request) -> web.StreamResponse:
+            if not bearer_matches(request.headers.get("Authorization", ""), token):
+                return error(401, "unauthorized", "missing or wrong bearer token")
+            if not orch.is_leader:
+                current = await lease.read_lease(orch.journal, LEASE_NAME)
+                who = f"{current.holder} (epoch {current.epoch})" if current else "nobody"
+                return error(503, "not_leader", f"this orchestrator is a standby; the leader is {who}")
+            return await handler(request)
+        return wrapped
+
+    async def healthz(_: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    async def readyz(_: web.Request) -> web.Response:
+        try:
+            revision = await orch.check_schema()
+        except Exception as exc:  # noqa: BLE001 - reported, not raised
+            return web.json_response({"ready": False, "reason": str(exc)}, status=503)
+        if not orch.working():
+            return web.json_response({"ready": False, "reason": "a leader loop is not running; stepping down"},
+                                     status=503)
+        return web.json_response({"ready": True, "schema": revision, "leader": orch.is_leader})
+
+    async def metrics(_: web.Request) -> web.Response:
+        m = orch.metrics
+        m.queue_depth.set(len(orch.reconciler.queue))
+        m.commits.set(orch.committer.commits)
+        m.writes.set(orch.committer.writes)
+        m.entities.clear()
+        for kind, states in (await entity_counts(orch.journal)).items():
+            for state, n in states.items():
+                m.entities.set(n, kind=kind, state=state)
+        return web.Response(text=m.render(), content_type="text/plain", charset="utf-8",
+                            headers={"X-Content-Type-Options": "nosniff"})
+
+    async def status(_: web.Request) -> web.Response:
+        return web.json_response(await status_snapshot(orch))
+
+    async def participants(_: web.Request) -> web.Response:
+        t = models.participants
+        async with orch.journal.read() as conn:
+            rows = (await conn.execute(sa.select(t).order_by(t.c.id))).all()
+        return web.json_response({"participants": [participant_json(r._mapping) for r in rows]})
+
+    async def events(request: web.Request) -> web.Response:
+        try:
+            flt = parse_event_filter(single_values(request.query), orch.journal.kinds)
+        except QueryError as exc:
+            return error(400, "invalid_query", str(exc))
+        async with orch.journal.read() as conn:
+            page = await audit.query_events(conn, flt)
+        nxt = page[-1]["seq"] if len(page) == flt.limit else None
+        return web.json_response({"events": [event_json(e) for e in page], "next_after": nxt})
+
+    async def probe(request: web.Request) -> web.Response:
+        name = request.query.get("name")
+        t = models.participants
+        async with orch.journal.read() as conn:
+            stmt = sa.select(t.c.id).where(t.c.state != "removed")
+            if name is not None:
+                stmt = stmt.where(t.c.id == name)
+            names = list((await conn.execute(stmt)).scalars())
+        if name is not None and not names:
+            return error(404, "not_found", f"no configured participant named {name!r}")
+        # A probe is a read: the request only queues it; the controller records what it finds.
+        if orch.discovery is None:
+            return error(404, "not_found", "discovery is not running in this orchestrator")
+        for n in names:
+            orch.discovery.request_probe(n)
+            orch.reconciler.enqueue("participants", n)
+        return web.json_response({"queued": names}, status=202)
+
+    app = web.Application(middlewares=[limits_middleware(orch.settings.api.body_timeout_s), refuse_nul])
+    app[ORCH] = orch
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/status", status)
+    app.router.add_get("/v1/participants", participants)
+    app.router.add_get("/v1/events", events)
+    app.router.add_post("/v1/participants/probe", mutating(probe))
+    add_workflow_routes(app, orch, mutating)
+    add_training_routes(app, orch, mutating)
+    return app
+
+
+async def status_snapshot(orch: Orchestrator) -> dict[str, Any]:
+    current = await lease.read_lease(orch.journal, LEASE_NAME)
+    counts = await entity_counts(orch.journal)
+    return {
+        "holder": orch.holder,
+        "role": "leader" if orch.is_leader else "standby",
+        "lease": None if current is None else {"holder": current.holder, "epoch": current.epoch,
+                                               "expires_at": current.expires_at.isoformat()},
+        "journal": {"backend": orch.journal.backend, "url": orch.journal.url.redacted()},
+        "entities": counts,
+        "queue": {"depth": len(orch.reconciler.queue), "active": orch.reconciler.queue.active,
+                  "timers": orch.reconciler.queue.timers},
+        "rpc_in_flight": orch.dispatcher.in_flight,
+    }
+
+
+__all__ = ["ORCH", "make_app", "participant_json", "status_snapshot"]

@@ -1,0 +1,394 @@
+"""The checkpoint workflows' routes (split from :mod:`engine.http.app`): checkpoints, restores, retire, forget.
+
+- ``POST /v1/checkpoints`` ``{"checkpoint_id"?, "directory"?}`` -> 202 ``{"checkpoint_id", "directory",
+  "participants"}``; 409 ``checkpoint_open``/``restore_open`` naming the open one, ``already_exists``,
+  ``no_participants``.
+- ``GET /v1/checkpoints[?state=&limit=&before=]`` (newest first, paged by ``before``: ``next_before`` in
+  the reply) and ``GET /v1/checkpoints/{id}`` (the row, ``members`` with state, report, blockers,
+  manifest and detail, and ``timings``: seconds per state, in the current one, in all, and the
+  ``phases`` the events show).
+- ``POST /v1/checkpoints/{id}/abort`` ``{"reason"?}``: ``aborting`` from preparing, prepared, committing
+  or committed (a compare-and-set from the row's state and version); 409 ``not_abortable`` otherwise.
+- ``POST /v1/restores`` ``{"checkpoint_id"?, "directory"?}`` -> 202 ``{"restore_id", "checkpoint_id",
+  ...}``; 404 when the checkpoint is not published there. ``GET /v1/restores[/{id}]``.
+- ``POST /v1/rollouts/{id}/retire`` ``{"attempt"}`` and ``POST /v1/rollouts/{id}/forget`` -> 202
+  ``{"retirement_id", ...}``. ``GET /v1/retirements[/{id}]``.
+
+A POST is one fenced write through the group committer that creates the row (or moves it); the
+reconciler does the rest. Bodies are validated by pydantic models that forbid extra fields; a
+refusal is a typed error naming the field, the value and the rule, and writes nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from datetime import datetime
+from typing import Annotated, Any
+
+import sqlalchemy as sa
+from aiohttp import web
+from pydantic import Field, StringConstraints, ValidationError
+
+from journal import DuplicateEntity, StaleRow, WriteTx, audit, models
+from journal.audit import EventFilter
+from journal.machines import CHECKPOINTS
+from journal.writes import to_row
+from workers.protocol import CheckpointId, EpisodeId
+
+from engine.http.query import QueryError, parse_list_query, single_values
+from engine.http.shell import (ApiError, Body, Directory, Handler, iso, new_id, read_body, row_json, shown,
+                               typed)
+from engine.workflows.checkpoint.checkpoint import STAGES, start_checkpoint
+from engine.workflows.checkpoint.confined import DirectoryRefused, confine, roots
+from engine.workflows.checkpoint.confined import run as run_file_work
+from engine.workflows.checkpoint.restore import CheckpointNotFound, read_latest, read_manifest, start_restore
+from engine.workflows.checkpoint.retirement import InvalidRetirement, request_retirement
+from engine.workflows.checkpoint.names import STAGE_NAMES, TERMINAL
+from engine.runtime.service import Orchestrator
+
+
+
+class StartCheckpoint(Body):
+    """``POST /v1/checkpoints``: the id (default ``ck-<UTC time>-<4 hex>``) and the root directory
+    (default ``checkpoint.directory``)."""
+
+    checkpoint_id: CheckpointId | None = None
+    directory: Directory | None = None
+
+
+class StartRestore(Body):
+    """``POST /v1/restores``: the checkpoint (default: the one ``LATEST`` names) and its root directory."""
+
+    checkpoint_id: CheckpointId | None = None
+    directory: Directory | None = None
+
+
+#: The highest attempt number a request may name (a participant keeps attempts as 64-bit integers).
+MAX_ATTEMPT = 2**31 - 1
+
+
+class Retire(Body):
+    """``POST /v1/rollouts/{id}/retire``: retire this attempt of the rollout (and every earlier one)."""
+
+    attempt: int = Field(ge=0, le=MAX_ATTEMPT, strict=True)
+
+
+class Forget(Body):
+    """``POST /v1/rollouts/{id}/forget``: no fields (an empty body or ``{}``)."""
+
+
+class Abort(Body):
+    """``POST /v1/checkpoints/{id}/abort``: an optional reason, kept in the checkpoint's ``detail``."""
+
+    reason: Annotated[str, StringConstraints(min_length=1, max_length=500)] | None = None
+
+
+#: The checkpoint states with an edge to ``aborting``: preparing, prepared, committing, committed.
+ABORTABLE = tuple(s for s, to in CHECKPOINTS.edges.items() if "aborting" in to and s != "aborting")
+#: The states in which a row's ``stage`` names where it is (checkpoints: preparing; retirements: running).
+STAGED = ("preparing", "running")
+
+
+def stage_name(kind: str, stage: int | None) -> str | None:
+    """The name of a workflow's stage index (checkpoints: prepare stages; retirements: retire order)."""
+    names = STAGE_NAMES.get(kind)
+    if names is None or stage is None or not 0 <= stage < len(names):
+        return None
+    return names[stage]
+
+
+def timings_json(kind: str, row: Mapping[Any, Any], now: datetime) -> dict[str, Any]:
+    """Seconds per finished state (the row's ``timings``), in the current state, and in all."""
+    terminal = row["state"] in TERMINAL[kind]
+    end = row["updated_at"] if terminal else now
+    return {"per_state_s": row.get("timings") or {}, "created_at": iso(row["created_at"]),
+            "updated_at": iso(row["updated_at"]),
+            "in_state_s": None if terminal else round((now - row["updated_at"]).total_seconds(), 3),
+            "total_s": round((end - row["created_at"]).total_seconds(), 3)}
+
+
+def phases_json(kind: str, history: list[dict[str, Any]], now: datetime) -> list[dict[str, Any]]:
+    """Each state (and stage, while staged) the row passed through, from its events: when it began
+    and for how long."""
+    out: list[dict[str, Any]] = []
+    stage: int | None = None
+    for ev in history:
+        sets = (ev["payload"] or {}).get("set", {})
+        stage = sets.get("stage", stage)
+        name = stage_name(kind, stage) if ev["to_state"] in STAGED else None
+        if out and out[-1]["state"] == ev["to_state"] and out[-1]["stage"] == name:
+            continue  # a self-edge that changed something else (the scope)
+        if out:
+            out[-1]["seconds"] = round((ev["ts"] - datetime.fromisoformat(out[-1]["at"])).total_seconds(), 3)
+        out.append({"state": ev["to_state"], "stage": name, "at": ev["ts"].isoformat(), "seconds": None})
+    if out and out[-1]["state"] not in TERMINAL[kind]:
+        out[-1]["seconds"] = round((now - datetime.fromisoformat(out[-1]["at"])).total_seconds(), 3)
+    return out
+
+
+def workflow_json(kind: str, row: Mapping[Any, Any], now: datetime) -> dict[str, Any]:
+    out = row_json(row)
+    if "stage" in row:
+        out["stage_name"] = stage_name(kind, row["stage"]) if row["state"] in STAGED else None
+    out["terminal"] = row["state"] in TERMINAL[kind]
+    out["timings"] = timings_json(kind, row, now)
+    return out
+
+
+async def open_workflows(tx: WriteTx) -> None:
+    """Refuse (409) while a checkpoint or a restore is open: the two never overlap."""
+    c, r = models.checkpoints, models.restores
+    found = (await tx.execute(sa.select(c.c.id, c.c.state).where(
+        c.c.state.not_in(TERMINAL["checkpoints"])).order_by(c.c.created_at).limit(1))).first()
+    if found is not None:
+        raise ApiError(409, "checkpoint_open", f"checkpoint {found.id!r} is open (state {found.state}); "
+                                               f"wait for it to end or abort it first")
+    found = (await tx.execute(sa.select(r.c.id, r.c.state).where(
+        r.c.state.not_in(TERMINAL["restores"])).order_by(r.c.created_at).limit(1))).first()
+    if found is not None:
+        raise ApiError(409, "restore_open", f"restore {found.id!r} is open (state {found.state}); "
+                                            f"wait for it to end first")
+
+
+def member_json(mapping: Mapping[Any, Any]) -> dict[str, Any]:
+    out = row_json(mapping)
+    out["blockers"] = list(((mapping["report"] or {}).get("blockers")) or [])
+    return out
+
+
+def rollout_episode(rollout_id: str, attempt: int = 0) -> EpisodeId:
+    try:
+        return EpisodeId(rollout_id=rollout_id, attempt=attempt)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        raise ApiError(422, "invalid_body", f"{where}={shown(err.get('input'))}: {err['msg']}", where) from None
+
+
+def add_workflow_routes(app: web.Application, orch: Orchestrator, mutating: Callable[[Handler], Handler]) -> None:
+    """Register the workflow routes; ``mutating`` is the API's token-and-leader guard."""
+
+    def controlled(kind: str) -> None:
+        if kind not in orch.reconciler.controllers:
+            raise ApiError(503, "workflow_unavailable", f"this orchestrator runs no {kind} controller, so nothing "
+                                                        f"would advance the request; nothing was written")
+
+    allowed = roots(orch.settings.checkpoint.directory, orch.settings.checkpoint.roots)
+
+    def directory_of(given: str | None) -> str:
+        """The real path of the directory a request names (default: ``checkpoint.directory``), confined
+        to the configured roots. Absolute: participants and the orchestrator need not share a
+        working directory."""
+        if given is None:
+            return allowed[0]
+        try:
+            return confine(given, allowed)
+        except DirectoryRefused as exc:
+            raise ApiError(422, "directory_refused", f"directory={exc}", "directory") from None
+
+    async def checkpoints_start(request: web.Request) -> web.Response:
+        body = await read_body(request, StartCheckpoint)
+        controlled("checkpoints")
+        cid = body.checkpoint_id or new_id("ck")
+        directory = directory_of(body.directory)
+        p = models.participants
+
+        async def write(tx: WriteTx) -> list[str]:
+            await open_workflows(tx)
+            existing = await tx.get("checkpoints", cid)
+            if existing is not None:
+                raise ApiError(409, "already_exists", f"checkpoint {cid!r} already exists (state {existing.state}); "
+                                                      f"give another checkpoint_id", "checkpoint_id")
+            rows = [to_row("participants", r._mapping)
+                    for r in (await tx.execute(sa.select(p).order_by(p.c.id))).all()]
+            members = [r for r in rows if r.state == "healthy" and r["kind"] in STAGES]
+            if not members:
+                seen = ", ".join(f"{r.id} is {r.state}" for r in rows if r.state != "removed")
+                raise ApiError(409, "no_participants", "no healthy participant to checkpoint "
+                                                       f"({seen or 'none is configured'})")
+            await start_checkpoint(tx, cid, directory, members, max_tries=orch.settings.checkpoint.max_tries)
+            return [m.id for m in members]
+        try:
+            members = await orch.committer.run(write)
+        except DuplicateEntity:
+            raise ApiError(409, "already_exists", f"checkpoint {cid!r} already exists", "checkpoint_id") from None
+        return web.json_response({"checkpoint_id": cid, "directory": directory, "participants": members},
+                                 status=202, headers={"Location": f"/v1/checkpoints/{cid}"})
+
+    async def checkpoint_abort(request: web.Request) -> web.Response:
+        body = await read_body(request, Abort)
+        cid = request.match_info["id"]
+        detail = "aborted by an operator" + (f": {body.reason}" if body.reason else "")
+        resume_s = orch.settings.checkpoint.resume_timeout_s
+
+        async def write(tx: WriteTx) -> str:
+            row = await tx.get("checkpoints", cid)
+            if row is None:
+                raise ApiError(404, "not_found", f"no checkpoint {cid!r}")
+            if row.state not in ABORTABLE:
+                why = "it has ended" if row.state in TERMINAL["checkpoints"] else "it is past the point of no return"
+                raise ApiError(409, "not_abortable", f"checkpoint {cid!r} is {row.state}, {why}; only a checkpoint "
+                                                     f"that is {', '.join(ABORTABLE)} can be aborted")
+            timings = dict(row["timings"] or {})
+            timings[row.state] = round((tx.now - row["updated_at"]).total_seconds(), 3)
+            # As the controller aborts: everyone is resumed, under a fresh resume deadline.
+            await tx.transition("checkpoints", cid, from_state=row.state, version=row.version, to_state="aborting",
+                                reason=detail, changes={"detail": detail, "timings": timings,
+                                                        "deadline_ts": time.time() + resume_s})
+            return row.state
+        for _ in range(5):
+            try:
+                was = await orch.committer.run(write)
+                break
+            except StaleRow:
+                continue  # the controller moved it meanwhile: look again
+        else:
+            raise ApiError(409, "not_abortable", f"checkpoint {cid!r} kept changing; try again")
+        return web.json_response({"checkpoint_id": cid, "state": "aborting", "was": was}, status=202)
+
+    async def restores_start(request: web.Request) -> web.Response:
+        body = await read_body(request, StartRestore)
+        controlled("restores")
+        given = None if body.directory is None else directory_of(body.directory)
+        cid = body.checkpoint_id
+        if cid is None:
+            given = given or allowed[0]
+            try:
+                cid = await run_file_work(read_latest, given)
+            except (CheckpointNotFound, TimeoutError):
+                # One answer whatever is there (nothing, a FIFO, garbage): a refusal reveals no paths.
+                raise ApiError(404, "not_found", "no published checkpoint is named by LATEST in the directory; "
+                                                 "give checkpoint_id", "checkpoint_id") from None
+        published = await published_checkpoint(cid)
+        directory = directory_of(published["directory"])
+        if given is not None and given != directory:
+            raise ApiError(409, "checkpoint_mismatch", f"checkpoint {cid!r} was published under "
+                                                       f"{published['directory']}, not {given}", "directory")
+        try:
+            manifest = await run_file_work(read_manifest, directory, cid)
+        except (CheckpointNotFound, TimeoutError) as exc:
+            reason = exc.reason if isinstance(exc, CheckpointNotFound) else "reading it timed out"
+            raise ApiError(409, "checkpoint_mismatch", f"checkpoint {cid!r} is published in the journal but its "
+                                                       f"manifest cannot be used: {reason}", "checkpoint_id") from None
+        differs = [what for what, ok in (("scope", sorted(manifest["scope"]) == sorted(published["scope"])),
+                                          ("members", manifest.get("members") == published["members"])) if not ok]
+        if differs:
+            raise ApiError(409, "checkpoint_mismatch", f"checkpoint {cid!r}: the {' and '.join(differs)} in its "
+                                                       "checkpoint.json differ from what the journal recorded at "
+                                                       "publication; nothing was restored", "checkpoint_id")
+        scope = list(manifest["scope"])
+        rid = new_id("rs")
+
+        async def write(tx: WriteTx) -> None:
+            await open_workflows(tx)
+            await start_restore(tx, rid, directory, cid, scope)
+        await orch.committer.run(write)
+        return web.json_response({"restore_id": rid, "checkpoint_id": cid, "directory": directory,
+                                  "episodes": len(scope)}, status=202, headers={"Location": f"/v1/restores/{rid}"})
+
+    async def published_checkpoint(cid: str) -> dict[str, Any]:
+        """The journal's record of checkpoint ``cid`` (directory, scope, members' manifests): refused
+        unless the journal says it was published."""
+        c, m = models.checkpoints, models.checkpoint_members
+        async with orch.journal.read(snapshot=True) as conn:
+            row = (await conn.execute(sa.select(c.c.state, c.c.checkpoint_dir, c.c.scope, c.c.manifest_path)
+                                      .where(c.c.id == cid))).first()
+            members = [] if row is None else (await conn.execute(
+                sa.select(m.c.participant, m.c.kind, m.c.manifest, m.c.episode_ids)
+                .where(m.c.checkpoint_id == cid))).all()
+        if row is None:
+            raise ApiError(404, "not_found", f"no checkpoint {cid!r} in the journal", "checkpoint_id")
+        if row.state != "done" or row.manifest_path is None:
+            raise ApiError(409, "checkpoint_not_published", f"checkpoint {cid!r} is {row.state}: only a checkpoint "
+                                                            "the journal records as published (done) can be restored",
+                           "checkpoint_id")
+        return {"directory": row.checkpoint_dir, "scope": row.scope or [],
+                "members": {r.participant: {"kind": r.kind, "manifest": r.manifest, "episode_ids": r.episode_ids}
+                            for r in members}}
+
+    def retirement(op: str) -> Handler:
+        async def handler(request: web.Request) -> web.Response:
+            if op == "retire":
+                attempt: int | None = (await read_body(request, Retire)).attempt
+                episode = rollout_episode(request.match_info["id"], attempt or 0)
+            else:
+                await read_body(request, Forget)
+                attempt, episode = None, rollout_episode(request.match_info["id"])
+            controlled("retirements")
+            rid = new_id("rt" if op == "retire" else "fg")
+
+            async def write(tx: WriteTx) -> None:
+                if op == "retire":
+                    await request_retirement(tx, rid, "retire", episodes=[episode])
+                else:
+                    await request_retirement(tx, rid, "forget", rollout_ids=[episode.rollout_id])
+            try:
+                await orch.committer.run(write)
+            except InvalidRetirement as exc:
+                raise ApiError(422, "invalid_body", str(exc), exc.field) from None
+            return web.json_response({"retirement_id": rid, "op": op, "rollout_id": episode.rollout_id,
+                                      "attempt": attempt}, status=202,
+                                     headers={"Location": f"/v1/retirements/{rid}"})
+        return handler
+
+    def lister(kind: str, key: str) -> Handler:
+        t = orch.journal.kinds.get(kind).table
+
+        async def handler(request: web.Request) -> web.Response:
+            state, limit, before = parse_list_query(single_values(request.query), kind, orch.journal.kinds)
+            stmt = sa.select(t)
+            if state is not None:
+                stmt = stmt.where(t.c.state == state)
+            async with orch.journal.read() as conn:
+                if before is not None:
+                    anchor = (await conn.execute(sa.select(t.c.created_at).where(t.c.id == before))).first()
+                    if anchor is None:
+                        raise QueryError("before", before, f"no {kind} row has this id (give a next_before)")
+                    stmt = stmt.where(sa.or_(t.c.created_at < anchor.created_at,
+                                             sa.and_(t.c.created_at == anchor.created_at, t.c.id < before)))
+                rows = (await conn.execute(stmt.order_by(t.c.created_at.desc(), t.c.id.desc()).limit(limit))).all()
+            now = orch.clock.now()
+            items = [workflow_json(kind, r._mapping, now) for r in rows]
+            return web.json_response({key: items, "next_before": items[-1]["id"] if len(items) == limit else None})
+        return handler
+
+    def getter(kind: str) -> Handler:
+        t = orch.journal.kinds.get(kind).table
+        m = models.checkpoint_members
+
+        async def handler(request: web.Request) -> web.Response:
+            for name, value in single_values(request.query).items():
+                raise QueryError(name, value, "unknown parameter (this route takes none)")
+            entity_id = request.match_info["id"]
+            async with orch.journal.read(snapshot=True) as conn:
+                row = (await conn.execute(sa.select(t).where(t.c.id == entity_id))).first()
+                if row is None:
+                    raise ApiError(404, "not_found", f"no {kind} row {entity_id!r}")
+                members = [] if kind != "checkpoints" else (await conn.execute(
+                    sa.select(m).where(m.c.checkpoint_id == entity_id).order_by(m.c.stage, m.c.participant))).all()
+                history = await audit.query_events(conn, EventFilter(entity_kind=kind, entity_id=entity_id,
+                                                                     limit=audit.MAX_PAGE))
+            now = orch.clock.now()
+            out = workflow_json(kind, row._mapping, now)
+            out["timings"]["phases"] = phases_json(kind, history, now)
+            if kind == "checkpoints":
+                out["members"] = [member_json(r._mapping) for r in members]
+            return web.json_response(out)
+        return handler
+
+    app.router.add_get("/v1/checkpoints", typed(lister("checkpoints", "checkpoints")))
+    app.router.add_post("/v1/checkpoints", mutating(typed(checkpoints_start)))
+    app.router.add_get("/v1/checkpoints/{id}", typed(getter("checkpoints")))
+    app.router.add_post("/v1/checkpoints/{id}/abort", mutating(typed(checkpoint_abort)))
+    app.router.add_get("/v1/restores", typed(lister("restores", "restores")))
+    app.router.add_post("/v1/restores", mutating(typed(restores_start)))
+    app.router.add_get("/v1/restores/{id}", typed(getter("restores")))
+    app.router.add_get("/v1/retirements", typed(lister("retirements", "retirements")))
+    app.router.add_get("/v1/retirements/{id}", typed(getter("retirements")))
+    app.router.add_post("/v1/rollouts/{id}/retire", mutating(typed(retirement("retire"))))
+    app.router.add_post("/v1/rollouts/{id}/forget", mutating(typed(retirement("forget"))))
+
+
+__all__ = ["ABORTABLE", "ApiError", "StartCheckpoint", "StartRestore", "Retire", "Forget", "Abort",
+           "add_workflow_routes", "stage_name"]

@@ -1,0 +1,561 @@
+"""The checkpoint workflow: prepare stage by stage, commit, publish, resume (or abort).
+
+A ``checkpoints`` row and one ``checkpoint_members`` row per participant are
+created together (:func:`start_checkpoint`). The controller then advances the
+checkpoint; every call to a participant is an outbox intent owned by the
+checkpoint at its current state and version, so reconciling the same state
+again finds the same intents, never new ones, and a completed call wakes the
+checkpoint.
+
+A step (a prepare stage, a commit wave, a resume stage) sends one body, encoded
+and stored once, to all its members. Once every call of a step has settled, one
+transaction records the members' answers, moves the checkpoint, and writes the
+next step's calls (planned on the rows as that transaction leaves them, so they
+are the intents a reconcile of the new state would write).
+
+- ``preparing`` — one stage at a time (environment, model, agent, resources):
+  prepare every member of the stage with the stage's deadline. All prepared:
+  the next stage (a self-edge, so the next stage's intents are new), or
+  ``prepared`` after the last. A member that answers ``preparing`` (deadline
+  passed with blockers) or fails: ``aborting``, with the blockers in
+  ``blockers`` and the reason in ``detail``. Later stages are never touched.
+- ``prepared`` → ``committing``: the environment members commit first without
+  a scope (each exports every episode it holds at a boundary); their exported
+  episodes, less every restart any member reported, are the scope.
+- ``committing``: every other member commits that scope into the same
+  directory. All committed: ``committed``; a failure: ``aborting``.
+- ``committed`` → ``published``: ``<dir>/<id>/checkpoint.json`` (the members'
+  manifests, the scope, the restarts) and then ``<dir>/LATEST`` are written
+  atomically and durably, by the commit deadline. A publish that fails (a full
+  disk, a read-only or unwritable directory, an I/O error) or is still running
+  at the deadline: ``aborting``, the path and the OS error in ``detail``, with
+  neither a checkpoint.json nor a changed ``LATEST`` left behind (errors a
+  retry may cure are tried again a few times, within the deadline).
+- ``published`` → ``resuming`` → ``done``; ``aborting`` → ``aborted``: every
+  member is resumed in reverse stage order (members never reached too, so
+  their late requests are fenced). A resume that fails is recorded and not
+  retried forever: the participant's lease resumes it by itself.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+
+from journal import Committed, Transition, WriteTx, machines, models, outbox
+from journal.writes import Row
+from workers.protocol import EpisodeId
+
+from engine.workflows.checkpoint import confined
+from engine.runtime.reconciler import Context, Result
+from engine.workflows.checkpoint.fanout import control_intent, describe_error, read_calls, timings
+from engine.workflows.checkpoint.open_calls import SETTLED, OpenCalls
+from engine.workflows.checkpoint.publish_files import Publication, PublishFailed
+from engine.workflows.checkpoint.retirement import KIND as RETIREMENTS
+from engine.workflows.checkpoint.retirement import request_retirement
+
+KIND = "checkpoints"
+MEMBERS = "checkpoint_members"
+#: Prepare order; resume runs it backwards.
+STAGES: tuple[str, ...] = ("environment", "model", "agent", "resources")
+#: How long past its deadline a call may take to answer (a participant answers at its deadline).
+CALL_MARGIN_S = 2.0
+#: The member columns a step decides on (reports and manifests are read only where needed).
+_LIGHT = ("id", "state", "version", "participant", "kind", "url", "stage")
+#: Every member state a resume moves from.
+_RESUMABLE: tuple[str, ...] = tuple(sorted(set(machines.CHECKPOINT_MEMBERS.states) - {"resuming", "resumed"}))
+#: How many times a publish is tried in all (only for a transient error, and only within the deadline).
+PUBLISH_TRIES = 3
+#: The pause before a publish is tried again.
+PUBLISH_RETRY_S = 0.5
+#: The least time a publish is given, even one first tried at or past the deadline (after a restart).
+PUBLISH_MIN_S = 5.0
+
+log = logging.getLogger("tidelog.checkpoint")
+
+
+@dataclass(frozen=True)
+class CheckpointSettings:
+    prepare_timeout_s: float = 30.0
+    commit_timeout_s: float = 120.0
+    resume_timeout_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One step's calls: ``op`` to each of ``members`` with one body; members in ``moving_from``
+    move to ``moving_to`` when the calls are written."""
+
+    op: str
+    members: list[Row]
+    body: dict[str, Any]
+    deadline: float
+    moving_from: tuple[str, ...]
+    moving_to: str
+
+
+def _after(row: Row, op: Transition) -> Row:
+    """``row`` as ``op`` (a transition of it) leaves it."""
+    return Row(row.kind, row.id, op.to_state, row.version + 1, {**row.values, **op.changes})
+
+
+def _project(row: Row, members: list[Row], ops: Sequence[Transition]) -> tuple[Row, list[Row]]:
+    """The checkpoint and its members as ``ops`` leave them (ops in order, at most one per member)."""
+    by_id = {m.id: m for m in members}
+    for op in ops:
+        if op.kind == KIND:
+            row = _after(row, op)
+        elif op.entity_id in by_id:
+            by_id[op.entity_id] = _after(by_id[op.entity_id], op)
+    return row, [by_id[m.id] for m in members]
+
+
+def _light(member: Row) -> Row:
+    return Row(member.kind, member.id, member.state, member.version, {k: member[k] for k in _LIGHT[3:]})
+
+
+def member_id(checkpoint_id: str, participant: str) -> str:
+    return f"{checkpoint_id}/{participant}"
+
+
+async def start_checkpoint(tx: WriteTx, checkpoint_id: str, checkpoint_dir: str,
+                           participants: Sequence[Row], *, max_tries: int = 3) -> None:
+    """Create the checkpoint and one member per participant (healthy rows with a kind)."""
+    if not participants:
+        raise ValueError("a checkpoint needs at least one healthy participant")
+    await tx.create(KIND, checkpoint_id, reason="checkpoint requested",
+                    values={"checkpoint_dir": checkpoint_dir, "max_tries": max_tries, "try_number": 1})
+    for p in participants:
+        await tx.create(MEMBERS, member_id(checkpoint_id, p.id), reason="member of the checkpoint",
+                        values={"checkpoint_id": checkpoint_id, "participant": p.id, "kind": p["kind"],
+                                "url": p["url"], "stage": STAGES.index(p["kind"])})
+
+
+class CheckpointController:
+    kind = KIND
+
+    def __init__(self, settings: CheckpointSettings | None = None) -> None:
+        self.settings = settings or CheckpointSettings()
+        # The calls of each checkpoint's current step not yet seen settled (see open_calls).
+        self._open = OpenCalls()
+        # Checkpoint id -> (its version, its members as of that version), as this controller's
+        # last write left them. Only this controller moves members, and always together with the
+        # checkpoint row, so the same version means the same members; any other write to the
+        # row (an operator's abort) changes its version, and a failed write drops the entry.
+        self._members_at: dict[str, tuple[int, list[Row]]] = {}
+        # Checkpoint id -> failed publish tries so far (transient errors only; bounded by the deadline).
+        self._publish_tries: dict[str, int] = {}
+
+    def waiting(self, checkpoint_id: str) -> bool:
+        """Whether a completed call of this checkpoint can be ignored: other calls of its step are
+        still open (as far as this process's commits tell) and its deadline has not passed. The
+        reconciler then skips the wake-up; the last call to settle wakes it."""
+        return self._open.waiting_until(checkpoint_id, None, time.time(), CALL_MARGIN_S) is not None
+
+    def on_commit(self, committed: Sequence[Committed]) -> None:
+        """Journal commit listener (the orchestrator adds it): see :class:`OpenCalls`."""
+        self._open.on_commit(committed)
+
+    # -- reads ----------------------------------------------------------------------------------
+
+    async def _members(self, ctx: Context, checkpoint_id: str, *, full: bool = False) -> list[Row]:
+        """The checkpoint's members in stage order: only the columns a step decides on, unless
+        ``full`` (reports, manifests and episode ids too)."""
+        t = models.checkpoint_members
+        names = [c.name for c in t.c] if full else list(_LIGHT)
+        async with ctx.journal.read() as conn:
+            rows = (await conn.execute(sa.select(*(t.c[n] for n in names))
+                                       .where(t.c.checkpoint_id == checkpoint_id)
+                                       .order_by(t.c.stage, t.c.participant))).all()
+        # Plain tuples into rows: this runs on every look at a checkpoint of hundreds of members.
+        rest = [(i, n) for i, n in enumerate(names) if n not in ("id", "state", "version")]
+        at = {n: i for i, n in enumerate(names)}
+        return [Row(MEMBERS, r[at["id"]], r[at["state"]], r[at["version"]], {n: r[i] for i, n in rest})
+                for r in rows]
+
+    def _plan(self, row: Row, members: list[Row]) -> _Step | None:
+        """The calls the checkpoint makes in its state (and stage), or ``None`` where it makes none."""
+        if row.state == "preparing" and row["deadline_ts"] is not None:
+            current = [m for m in members if m["stage"] == row["stage"]]
+            deadline = float(row["deadline_ts"])
+            return _Step("prepare", current, {"checkpoint_id": row.id, "deadline_ts": deadline}, deadline,
+                         ("pending",), "preparing") if current else None
+        if row.state == "committing":
+            deadline = self._deadline(row, self.settings.commit_timeout_s)
+            body: dict[str, Any] = {"checkpoint_id": row.id, "deadline_ts": deadline,
+                                    "checkpoint_dir": str(Path(row["checkpoint_dir"]) / row.id)}
+            if row["scope"] is None:
+                # The environments first, without a scope: each exports every episode it holds.
+                return _Step("commit", [m for m in members if m["kind"] == "environment"], body, deadline,
+                             ("prepared",), "committing")
+            body["episode_ids"] = [EpisodeId.from_capture_key(k).model_dump() for k in row["scope"]]
+            return _Step("commit", [m for m in members if m["kind"] != "environment"], body, deadline,
+                         ("prepared",), "committing")
+        if row.state in ("resuming", "aborting"):
+            # Reverse stage order, from wherever each member stands (members never reached too).
+            pending = [m for m in members if m.state != "resumed"]
+            if not pending:
+                return None
+            stage = max(m["stage"] for m in pending)
+            deadline = self._deadline(row, self.settings.resume_timeout_s)
+            return _Step("resume", [m for m in pending if m["stage"] == stage],
+                         {"checkpoint_id": row.id, "deadline_ts": deadline}, deadline, _RESUMABLE, "resuming")
+        return None
+
+    def _intents(self, row: Row, step: _Step) -> dict[str, outbox.Intent]:
+        """Member id -> the step's call, one shared body for all (the same bytes to every member)."""
+        # Prepare and commit are bounded by their phase's deadline: a call that fails is not sent
+        # again past it (the checkpoint aborts and a retry runs under a new id). A resume is
+        # retried a little; beyond that the participant's lease resumes it.
+        timeout = max(step.deadline - time.time(), 0.0) + CALL_MARGIN_S
+        shared = outbox.Body.of(step.body)
+        return {m.id: control_intent(row, m["url"], step.op, shared, timeout,
+                                     max_attempts=3 if step.op == "resume" else 1) for m in step.members}
+
+    async def _write(self, ctx: Context, row: Row, members: list[Row], ops: list[Transition],
+                     known: Mapping[str, str] | None = None) -> None:
+        """Apply ``ops`` and, in the same transaction, make the calls of the step they lead to.
+
+        The next step is planned on the rows as ``ops`` leave them, so a decision and the calls
+        it starts commit together; calls in ``known`` (id -> state) already exist and are not
+        written again.
+        """
+        known = known or {}
+        after, moved = _project(row, members, ops)
+        step = self._plan(after, moved)
+        missing: list[tuple[outbox.Intent, str]] = []
+        moves: list[Row] = []
+        if step is not None:
+            intents = self._intents(after, step)
+            missing = [(intents[m.id], f"{step.op} {m['participant']} for {row.id}") for m in step.members
+                       if intents[m.id].id not in known]
+            # Before the commit, so that on_commit sees every one of these calls settle.
+            self._open.track(row.id, after.version, step.deadline, [i.id for i in intents.values()],
+                             [i for i, state in known.items() if state in SETTLED])
+            moves = [m for m in step.members if m.state in step.moving_from]
+
+        moving = [Transition(MEMBERS, m.id, m.state, m.version, step.moving_to, f"{step.op} sent")
+                  for m in moves if step is not None]
+
+        async def write(tx: WriteTx) -> list[Row]:
+            await tx.apply(ops)
+            claimed = await outbox.ensure_all(tx, missing, claim=ctx.claims)
+            await tx.apply(moving)
+            return claimed
+        self._members_at.pop(row.id, None)
+        try:
+            claimed = await ctx.write(write)
+        except BaseException:
+            self._open.forget(row.id)  # nothing written: the next reconcile reads where the calls stand
+            raise
+        if after.state not in ("done", "aborted", "failed"):
+            self._members_at[row.id] = (after.version, [_light(m) for m in _project(after, moved, moving)[1]])
+        ctx.send(claimed)
+
+    async def _settled(self, ctx: Context, row: Row, members: list[Row], step: _Step) -> dict[str, Row] | None:
+        """Member id -> call (state, result, error) once every call of ``step`` settled; else ``None``
+        (a completed call wakes the checkpoint again). Calls found missing are written now."""
+        intents = self._intents(row, step)
+        ids = [i.id for i in intents.values()]
+        # Tracked before the read: a call that settles during it is seen by on_commit.
+        self._open.track(row.id, row.version, step.deadline, ids)
+        # One read: states and replies together (a reconcile gets here once the step looks settled).
+        calls = await read_calls(ctx, ids)
+        settled = {i: c.state for i, c in calls.items()}
+        self._open.track(row.id, row.version, step.deadline, ids, [i for i, st in settled.items() if st in SETTLED])
+        if len(calls) < len(intents):
+            # Only after a crash between a decision and its calls' commit, or at the start.
+            await self._write(ctx, row, members, [], settled)
+            return None
+        if any(state not in SETTLED for state in settled.values()):
+            return None
+        return {mid: calls[i.id] for mid, i in intents.items()}
+
+    def _deadline(self, row: Row, seconds: float) -> float:
+        return float(row["deadline_ts"]) if row["deadline_ts"] is not None else time.time() + seconds
+
+    @staticmethod
+    def _wait(deadline: float) -> Result:
+        """Look again once every open call must have settled (a completed call wakes it sooner)."""
+        return Result(requeue_after=max(deadline - time.time(), 0.0) + CALL_MARGIN_S + 1.0)
+
+    # -- the machine ----------------------------------------------------------------------------
+
+    async def reconcile(self, ctx: Context, entity_id: str) -> Result:
+        row = await ctx.get(KIND, entity_id)
+        if row is None or row.state in ("done", "aborted", "failed"):
+            self._open.forget(entity_id)
+            self._members_at.pop(entity_id, None)
+            self._publish_tries.pop(entity_id, None)
+            return Result()
+        deadline = self._open.waiting_until(entity_id, row.version, time.time(), CALL_MARGIN_S)
+        if deadline is not None:
+            return self._wait(deadline)
+        if row.state == "committed":
+            return await self._publish(ctx, row)
+        known = self._members_at.get(entity_id)
+        members = known[1] if known is not None and known[0] == row.version else await self._members(ctx, entity_id)
+        if row.state == "prepared":  # only left here by an engine older than this one
+            await self._write(ctx, row, members, [self._move(ctx, row, "committing", "prepared everywhere",
+                                                             deadline=self.settings.commit_timeout_s)])
+            return Result()
+        if row.state == "published":  # likewise
+            await self._write(ctx, row, members, [self._move(ctx, row, "resuming", "published",
+                                                             deadline=self.settings.resume_timeout_s)])
+            return Result()
+        if row.state == "preparing":
+            return await self._preparing(ctx, row, members)
+        if row.state == "committing":
+            return await self._committing(ctx, row, members)
+        return await self._resuming(ctx, row, members)
+
+    def _move(self, ctx: Context, row: Row, to_state: str, reason: str, *, deadline: float | None = None,
+              **changes: Any) -> Transition:
+        """The checkpoint's own transition (its timings updated; a fresh deadline if given)."""
+        if deadline is not None:
+            changes["deadline_ts"] = time.time() + deadline
+        changes["timings"] = timings(ctx, row)
+        return Transition(KIND, row.id, row.state, row.version, to_state, reason, changes)
+
+    def _abort(self, ctx: Context, row: Row, detail: str, **changes: Any) -> Transition:
+        return self._move(ctx, row, "aborting", detail, deadline=self.settings.resume_timeout_s, detail=detail,
+                          **changes)
+
+    async def _preparing(self, ctx: Context, row: Row, members: list[Row]) -> Result:
+        if not members:
+            await ctx.apply(Transition(KIND, row.id, "preparing", row.version, "failed", "no participants",
+                                       {"detail": "the checkpoint has no members"}))
+            return Result()
+        if row["deadline_ts"] is None:
+            if row["retry_of"] is not None:
+                waiting = await self._retirement_pending(ctx, retirement_id(row["retry_of"]))
+                if waiting is not None:
+                    return waiting
+            await self._write(ctx, row, members, [Transition(
+                KIND, row.id, "preparing", row.version, "preparing", "stage 0 starts",
+                {"deadline_ts": time.time() + self.settings.prepare_timeout_s})])
+            return Result()
+        stage = row["stage"]
+        step = self._plan(row, members)
+        ops: list[Transition] = []
+        if step is not None:
+            calls = await self._settled(ctx, row, members, step)
+            if calls is None:
+                return self._wait(step.deadline)
+            ops, why, blockers = self._prepare_outcomes(step.members, calls)
+            if why:
+                await self._write(ctx, row, members, [
+                    *ops, self._abort(ctx, row, f"stage {STAGES[stage]} not prepared: {why}", blockers=blockers)])
+                return Result()
+        if stage + 1 < len(STAGES):
+            ops.append(Transition(KIND, row.id, "preparing", row.version, "preparing",
+                                  f"stage {STAGES[stage + 1]} starts",
+                                  {"stage": stage + 1, "deadline_ts": time.time() + self.settings.prepare_timeout_s}))
+        else:
+            prepared = self._move(ctx, row, "prepared", "every stage prepared")
+            ops += [prepared, self._move(ctx, _after(row, prepared), "committing", "prepared everywhere",
+                                         deadline=self.settings.commit_timeout_s)]
+        await self._write(ctx, row, members, ops)
+        return Result()
+
+    async def _retirement_pending(self, ctx: Context, retirement: str) -> Result | None:
+        """A straggler retry prepares only once its predecessor's blockers are retired."""
+        row = await ctx.get(RETIREMENTS, retirement)
+        if row is not None and row.state not in ("done", "failed"):
+            return Result(requeue_after=0.25)
+        return None
+
+    @staticmethod
+    def _prepare_outcomes(members: list[Row], calls: dict[str, Row]
+                          ) -> tuple[list[Transition], str, dict[str, Any]]:
+        """Each member's settled prepare as a transition; why the stage is not prepared (``""``: it
+        is); the blockers by participant."""
+        ops: list[Transition] = []
+        failures: list[str] = []
+        blockers: dict[str, Any] = {}
+        for m in members:
+            call = calls[m.id]
+            result = call["result"] or {}
+            if call.state == "succeeded" and result.get("phase") == "prepared":
+                state, detail = "prepared", None
+            elif call.state == "succeeded":
+                report = result.get("report") or {}
+                state, detail = "not_ready", f"{report.get('blocker_count', 0)} blockers"
+                blockers[m["participant"]] = report.get("blockers", [])
+                failures.append(f"{m['participant']} has {detail}")
+            else:
+                state, detail = "failed", describe_error(call)
+                failures.append(f"{m['participant']} failed: {detail}")
+            if m.state == "preparing":
+                ops.append(Transition(MEMBERS, m.id, "preparing", m.version, state, f"prepare answered: {state}",
+                                      {"report": result.get("report"), "detail": detail}))
+        return ops, "; ".join(failures), blockers
+
+    async def _committing(self, ctx: Context, row: Row, members: list[Row]) -> Result:
+        step = self._plan(row, members)
+        assert step is not None
+        calls = await self._settled(ctx, row, members, step)
+        if calls is None:
+            return self._wait(step.deadline)
+        ops, failed = self._commit_outcomes(step.members, calls)
+        if failed:
+            await self._write(ctx, row, members, [*ops, self._abort(ctx, row, failed)])
+            return Result()
+        if row["scope"] is None:
+            reports = await self._members(ctx, row.id, full=True)
+            restarts = sorted({k for m in reports for k in ((m["report"] or {}).get("restarts") or [])})
+            exported = {k for c in calls.values() for k in (c["result"] or {}).get("episode_ids", [])}
+            scope = sorted(exported - set(restarts))
+            ops.append(Transition(KIND, row.id, "committing", row.version, "committing",
+                                  f"scope of {len(scope)} episodes", {"scope": scope, "restarts": restarts}))
+        else:
+            ops.append(self._move(ctx, row, "committed", "committed everywhere"))
+        await self._write(ctx, row, members, ops)
+        return Result()
+
+    @staticmethod
+    def _commit_outcomes(members: list[Row], calls: dict[str, Row]) -> tuple[list[Transition], str]:
+        """Each member's settled commit as a transition, and every failure in words (``""``: none)."""
+        ops: list[Transition] = []
+        failures: list[str] = []
+        for m in members:
+            call = calls[m.id]
+            if call.state == "succeeded":
+                reply = call["result"] or {}
+                if m.state == "committing":
+                    ops.append(Transition(MEMBERS, m.id, "committing", m.version, "committed", "commit answered",
+                                          {"manifest": reply.get("manifest"), "episode_ids": reply.get("episode_ids")}))
+            else:
+                detail = describe_error(call)
+                failures.append(f"{m['participant']} did not commit: {detail}")
+                if m.state == "committing":
+                    ops.append(Transition(MEMBERS, m.id, "committing", m.version, "failed", "commit failed",
+                                          {"detail": detail}))
+        return ops, "; ".join(failures)
+
+    async def _publish(self, ctx: Context, row: Row) -> Result:
+        """Write the checkpoint's manifest and then ``LATEST``; then resume (the same commit).
+
+        Bounded by the commit deadline (at least :data:`PUBLISH_MIN_S`). A failure, or a write
+        still running at the deadline, aborts the checkpoint with the reason in ``detail`` (the
+        participants are resumed); a transient error is first tried again, up to
+        :data:`PUBLISH_TRIES` in all, while the deadline allows.
+        """
+        members = await self._members(ctx, row.id, full=True)
+        root = Path(row["checkpoint_dir"])
+        manifest = {"checkpoint_id": row.id, "scope": row["scope"], "restarts": row["restarts"],
+                    "members": {m["participant"]: {"kind": m["kind"], "manifest": m["manifest"],
+                                                   "episode_ids": m["episode_ids"]} for m in members}}
+        path = root / row.id / "checkpoint.json"
+        work = Publication(path, json.dumps(manifest, indent=1, sort_keys=True).encode(), root / "LATEST", row.id)
+        deadline = self._deadline(row, self.settings.commit_timeout_s)
+        try:
+            # On the checkpoint file pool, never the default executor (a hung write ties up only that pool).
+            await confined.run(work.run, timeout=max(deadline - time.time(), PUBLISH_MIN_S))
+        except PublishFailed as failure:
+            return await self._publish_failed(ctx, row, members, deadline, failure)
+        except TimeoutError:
+            if not work.abandon():  # the thread undoes whatever it still writes
+                return await self._publish_failed(ctx, row, members, deadline, PublishFailed(work.writing, None))
+        self._publish_tries.pop(row.id, None)
+        published = self._move(ctx, row, "published", "checkpoint manifest and LATEST written",
+                               manifest_path=str(path))
+        await self._write(ctx, row, [_light(m) for m in members], [
+            published, self._move(ctx, _after(row, published), "resuming", "published",
+                                  deadline=self.settings.resume_timeout_s)])
+        return Result()
+
+    async def _publish_failed(self, ctx: Context, row: Row, members: list[Row], deadline: float,
+                              failure: PublishFailed) -> Result:
+        """Try a transient failure again while tries and the deadline allow; otherwise abort."""
+        tries = self._publish_tries.get(row.id, 0) + 1
+        if failure.transient and tries < PUBLISH_TRIES and time.time() + PUBLISH_RETRY_S < deadline:
+            self._publish_tries[row.id] = tries
+            log.warning("checkpoint %s: publish try %d of %d failed, trying again in %.1fs: %s",
+                        row.id, tries, PUBLISH_TRIES, PUBLISH_RETRY_S, failure.describe())
+            return Result(requeue_after=PUBLISH_RETRY_S)
+        self._publish_tries.pop(row.id, None)
+        detail = failure.describe()
+        log.error("checkpoint %s aborted: %s", row.id, detail)  # one line: the reason is in the journal
+        await self._write(ctx, row, [_light(m) for m in members], [self._abort(ctx, row, detail)])
+        return Result()
+
+    async def _resuming(self, ctx: Context, row: Row, members: list[Row]) -> Result:
+        """Resume members in reverse stage order; every member ends ``resumed``."""
+        final = "done" if row.state == "resuming" else "aborted"
+        step = self._plan(row, members)
+        if step is None:
+            await self._finish(ctx, row, members, final)
+            return Result()
+        calls = await self._settled(ctx, row, members, step)
+        if calls is None:
+            return self._wait(step.deadline)
+        ops = [Transition(MEMBERS, m.id, "resuming", m.version, "resumed", "resume answered",
+                          {"detail": None if calls[m.id].state == "succeeded" else
+                           f"resume failed ({describe_error(calls[m.id])}); its lease resumes it"})
+               for m in step.members]
+        stepping = {m.id for m in step.members}
+        last = all(m.state == "resumed" or m.id in stepping for m in members)
+        if last and not self._retries(row, final):
+            ops.append(self._move(ctx, row, final, "every member resumed"))
+            await self._write(ctx, row, members, ops)
+            return Result()
+        await self._write(ctx, row, members, ops)
+        if last:
+            # Member rows have no controller of their own: look at this checkpoint again now (the retry).
+            return Result(requeue_after=0.0)
+        return Result()
+
+    @staticmethod
+    def _retries(row: Row, final: str) -> bool:
+        """An abort with blockers and tries left ends in a straggler retry."""
+        return final == "aborted" and bool(row["blockers"]) and row["try_number"] < row["max_tries"]
+
+    async def _finish(self, ctx: Context, row: Row, members: list[Row], final: str) -> None:
+        if self._retries(row, final):
+            blockers = sorted({k for keys in (row["blockers"] or {}).values() for k in keys})
+            await self._retry(ctx, row, members, blockers)
+        else:
+            await ctx.apply(self._move(ctx, row, final, "every member resumed"))
+
+    async def _retry(self, ctx: Context, row: Row, members: list[Row], blockers: list[str]) -> None:
+        """Straggler policy: in one write, end this try, retire its blockers, and start the next try
+        under a new id (it prepares once the retirement is done)."""
+        next_id = next_try_id(row.id, row["try_number"] + 1)
+        episodes = [EpisodeId.from_capture_key(k) for k in blockers]
+        changes = {"timings": timings(ctx, row)}
+
+        async def write(tx: WriteTx) -> None:
+            await tx.transition(KIND, row.id, from_state=row.state, version=row.version, to_state="aborted",
+                                reason=f"every member resumed; retiring {len(blockers)} blockers, retry as {next_id}",
+                                changes=changes)
+            await request_retirement(tx, retirement_id(row.id), "retire", episodes=episodes)
+            await tx.create(KIND, next_id, reason=f"straggler retry {row['try_number'] + 1} of {row.id}",
+                            values={"checkpoint_dir": row["checkpoint_dir"], "max_tries": row["max_tries"],
+                                    "try_number": row["try_number"] + 1, "retry_of": row.id})
+            for m in members:
+                await tx.create(MEMBERS, member_id(next_id, m["participant"]), reason="member of the checkpoint",
+                                values={"checkpoint_id": next_id, "participant": m["participant"], "kind": m["kind"],
+                                        "url": m["url"], "stage": m["stage"]})
+        await ctx.write(write)
+
+
+def retirement_id(checkpoint_id: str) -> str:
+    """The retirement that retires a failed try's blockers."""
+    return f"stragglers-of-{checkpoint_id}"
+
+
+def next_try_id(checkpoint_id: str, try_number: int) -> str:
+    base = checkpoint_id.rsplit("-try", 1)[0] if "-try" in checkpoint_id else checkpoint_id
+    return f"{base}-try{try_number}"
+
+
+__all__ = ["MEMBERS", "STAGES", "CheckpointController", "CheckpointSettings", "PublishFailed", "member_id",
+           "next_try_id", "retirement_id", "start_checkpoint"]

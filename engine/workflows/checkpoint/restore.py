@@ -1,0 +1,298 @@
+"""The restore workflow: all or nothing into fresh participants.
+
+:func:`resolve_checkpoint` reads a published checkpoint (``LATEST`` and
+``<dir>/<id>/checkpoint.json``, as the checkpoint controller writes them);
+:func:`start_restore` creates the ``restores`` row in ``restoring``. Then:
+
+- ``restoring``: every ``healthy`` participant gets ``POST restore
+  {checkpoint_id, deadline_ts, checkpoint_dir: <dir>/<id>, episode_ids}`` — the
+  same body for everyone, ``episode_ids`` the checkpoint's scope (the
+  checkpointed attempts; each participant continues attempt N as N + 1). The
+  members are fixed by the first look (whoever got a call); while a
+  participant row is still ``pending`` (not probed yet) the first look waits,
+  up to the deadline. Every call settled: all succeeded → ``resuming``; any
+  failed (4xx, 5xx, unreachable, timed out) → ``rolling_back`` with the restore
+  error in ``detail`` (participant, HTTP status, code, detail).
+- ``resuming`` → ``done``: members resumed in reverse stage order (resources,
+  agent, model, environment). The write that ends it also moves each
+  ``rollouts`` row of a scoped rollout to its next attempt (``dispatched ->
+  dispatched`` or ``retired -> dispatched`` with ``attempt`` N + 1). A failed
+  resume is noted in ``detail``; the participant's lease resumes it.
+- ``rolling_back`` → ``failed``: the replacement attempts (N + 1 of every
+  scoped episode) are retired on every member in retire order (environment;
+  agent; model and resources), then every member is resumed, under a deadline
+  of at least ``resume_timeout_s`` from the failure. ``detail`` stays the
+  restore error; cleanup failures are only appended to it.
+
+Calls are outbox intents owned by the row at its state and version (no state
+here has a self-edge, so each member gets one call per path per state), so a
+reconcile finds the same calls again and a finished call wakes the row.
+``timings`` records the seconds spent in each state.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+
+from journal import Transition, WriteTx, models
+from journal.writes import Row, to_row
+from workers.protocol import CONTROL_PREFIX, ID_PATTERN, EpisodeId
+
+from engine.workflows.checkpoint.confined import UnsafeFile, read_file
+from engine.runtime.reconciler import Context, Result
+from engine.workflows.checkpoint.fanout import Member, fan_out, healthy, participant_rows, timings
+from engine.workflows.checkpoint.retirement import RETIRE_ORDER
+
+log = logging.getLogger("tidelog.restore")
+
+KIND = "restores"
+ROLLOUTS = "rollouts"
+RESTORE_PATH = f"{CONTROL_PREFIX}/restore"
+#: Resume order: the prepare order backwards.
+RESUME_ORDER: tuple[str, ...] = ("resources", "agent", "model", "environment")
+
+
+class CheckpointNotFound(ValueError):
+    """No usable published checkpoint at ``path`` (missing, unreadable or corrupt); says why."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(f"{path}: {reason}")
+
+
+@dataclass(frozen=True)
+class RestoreSettings:
+    restore_timeout_s: float = 120.0
+    resume_timeout_s: float = 30.0
+
+
+#: Largest ``LATEST`` pointer and checkpoint manifest the orchestrator reads (docs/security.md).
+LATEST_LIMIT = 4096
+MANIFEST_LIMIT = 64 << 20
+
+
+def _read(root: Path, parts: tuple[str, ...], limit: int, missing: str, what: str) -> bytes:
+    path = root.joinpath(*parts)
+    try:
+        return read_file(str(root), parts, limit)
+    except FileNotFoundError:
+        raise CheckpointNotFound(path, missing) from None
+    except UnsafeFile as exc:
+        raise CheckpointNotFound(path, f"refused to read the {what}: {exc.strerror}") from None
+    except OSError as exc:
+        raise CheckpointNotFound(path, f"cannot read the {what}: {exc.strerror or exc}") from None
+
+
+def read_latest(checkpoint_dir: str) -> str:
+    """The checkpoint id ``<dir>/LATEST`` names (blocking; see :func:`resolve_checkpoint`)."""
+    root = Path(checkpoint_dir)
+    raw = _read(root, ("LATEST",), LATEST_LIMIT, "no LATEST pointer: no checkpoint was published here",
+                "LATEST pointer")
+    try:
+        checkpoint_id = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise CheckpointNotFound(root / "LATEST", "the LATEST pointer is not UTF-8 text") from None
+    if not re.match(ID_PATTERN, checkpoint_id) or len(checkpoint_id) > 128:
+        raise CheckpointNotFound(root / "LATEST", f"does not name a checkpoint: {checkpoint_id[:80]!r}")
+    return checkpoint_id
+
+
+def read_manifest(checkpoint_dir: str, checkpoint_id: str) -> dict[str, Any]:
+    """``<dir>/<id>/checkpoint.json``, checked to be a manifest of that checkpoint with a valid scope."""
+    root = Path(checkpoint_dir)
+    if not re.match(ID_PATTERN, checkpoint_id) or len(checkpoint_id) > 128:
+        raise CheckpointNotFound(root / checkpoint_id, "not a valid checkpoint id")
+    path = root / checkpoint_id / "checkpoint.json"
+    raw = _read(root, (checkpoint_id, "checkpoint.json"), MANIFEST_LIMIT,
+                f"checkpoint {checkpoint_id!r} was never published here", "checkpoint manifest")
+    try:
+        manifest = json.loads(raw)
+    except RecursionError:
+        raise CheckpointNotFound(path, "the checkpoint manifest is nested too deeply") from None
+    except ValueError as exc:
+        raise CheckpointNotFound(path, f"the checkpoint manifest is not JSON: {exc}") from None
+    if not isinstance(manifest, dict):
+        raise CheckpointNotFound(path, "the checkpoint manifest is not a JSON object")
+    if manifest.get("checkpoint_id") != checkpoint_id:
+        raise CheckpointNotFound(path, f"the manifest names checkpoint {str(manifest.get('checkpoint_id'))[:80]!r}, "
+                                       f"not {checkpoint_id!r}")
+    scope = manifest.get("scope")
+    if not isinstance(scope, list) or not all(isinstance(k, str) for k in scope):
+        raise CheckpointNotFound(path, "the manifest's scope is not a list of capture keys")
+    for key in scope:
+        try:
+            EpisodeId.from_capture_key(key)
+        except ValueError:
+            raise CheckpointNotFound(path, f"the manifest's scope holds an invalid capture key {key[:80]!r}") from None
+    return manifest
+
+
+def resolve_checkpoint(checkpoint_dir: str, checkpoint_id: str | None = None) -> tuple[str, list[str]]:
+    """The checkpoint's id (``<dir>/LATEST`` when ``None``) and scope (capture keys).
+
+    Blocking file reads (run it on :data:`engine.workflows.checkpoint.confined.FILES` from async code, through
+    :func:`engine.workflows.checkpoint.confined.run`). Files are read as :func:`engine.workflows.checkpoint.confined.read_file` reads them:
+    no symlink below ``checkpoint_dir``, regular files only, at most :data:`LATEST_LIMIT` and
+    :data:`MANIFEST_LIMIT` bytes. Raises :class:`CheckpointNotFound` naming the path when
+    ``LATEST`` or ``<dir>/<id>/checkpoint.json`` is missing, unreadable, unsafe or corrupt.
+    """
+    if checkpoint_id is None:
+        checkpoint_id = read_latest(checkpoint_dir)
+    manifest = read_manifest(checkpoint_dir, checkpoint_id)
+    return checkpoint_id, list(manifest["scope"])
+
+
+async def start_restore(tx: WriteTx, restore_id: str, checkpoint_dir: str, checkpoint_id: str,
+                        scope: list[str], *, deadline_ts: float | None = None) -> None:
+    """Create the ``restores`` row in ``restoring``: restore ``checkpoint_id`` (published under
+    ``checkpoint_dir``) for the episodes ``scope`` names. Without ``deadline_ts`` the restore's
+    deadline is its creation plus ``restore_timeout_s``. Raises ``ValueError`` for an invalid
+    capture key in ``scope``."""
+    for key in scope:
+        EpisodeId.from_capture_key(key)
+    await tx.create(KIND, restore_id, reason=f"restore of checkpoint {checkpoint_id} requested",
+                    values={"checkpoint_id": checkpoint_id, "checkpoint_dir": checkpoint_dir,
+                            "scope": sorted(set(scope)), "deadline_ts": deadline_ts})
+
+
+def _episodes(row: Row, *, next_attempt: bool = False) -> list[dict[str, Any]]:
+    out = []
+    for key in row["scope"]:
+        e = EpisodeId.from_capture_key(key)
+        out.append((e.next_attempt() if next_attempt else e).model_dump())
+    return out
+
+
+class RestoreController:
+    """Runs ``restores`` rows (see the module docstring)."""
+
+    kind = KIND
+
+    def __init__(self, settings: RestoreSettings | None = None) -> None:
+        self.settings = settings or RestoreSettings()
+
+    async def reconcile(self, ctx: Context, entity_id: str) -> Result:
+        row = await ctx.get(KIND, entity_id)
+        if row is None or row.state in ("done", "failed"):
+            return Result()
+        if row.state == "restoring":
+            return await self._restoring(ctx, row)
+        return await self._finishing(ctx, row)
+
+    async def _members(self, ctx: Context, row: Row) -> list[Member]:
+        """Whoever got a restore call, as the participants table names them (by URL)."""
+        t = models.rpc_calls
+        async with ctx.journal.read() as conn:
+            targets = set((await conn.execute(sa.select(t.c.target).where(
+                t.c.entity_kind == KIND, t.c.entity_id == row.id, t.c.path == RESTORE_PATH))).scalars())
+        by_url: dict[str, Member] = {}
+        for p in await participant_rows(ctx):
+            if p["url"] in targets and p["kind"] and (p["url"] not in by_url or p.state != "removed"):
+                by_url[p["url"]] = Member(p.id, p["kind"], p["url"])
+        # A target no row names any more: still resumed (and retired) last, as a callee.
+        return [by_url.get(u, Member(u, "resources", u)) for u in sorted(targets)]
+
+    def _deadline(self, row: Row, seconds: float) -> float:
+        if row["deadline_ts"] is not None:
+            return float(row["deadline_ts"])
+        return float(row["updated_at"].timestamp()) + seconds
+
+    async def _move(self, ctx: Context, row: Row, to_state: str, reason: str, *extra: Transition,
+                    **changes: Any) -> None:
+        changes["timings"] = timings(ctx, row)
+        await ctx.apply(Transition(KIND, row.id, row.state, row.version, to_state, reason[:300], changes), *extra)
+
+    async def _restoring(self, ctx: Context, row: Row) -> Result:
+        deadline = self._deadline(row, self.settings.restore_timeout_s)
+        members = await self._members(ctx, row)
+        if not members:
+            rows = await participant_rows(ctx)
+            if any(r.state == "pending" for r in rows) and time.time() < deadline:
+                return Result(requeue_after=0.5)  # discovery has not probed every participant yet
+            members = healthy(rows)
+            if not members:
+                detail = "restore failed: no healthy participant to restore into"
+                await self._move(ctx, row, "rolling_back", detail, detail=detail,
+                                 deadline_ts=time.time() + self.settings.resume_timeout_s)
+                return Result()
+        directory = str(Path(row["checkpoint_dir"]) / row["checkpoint_id"])
+        body = {"checkpoint_id": row["checkpoint_id"], "deadline_ts": deadline, "checkpoint_dir": directory,
+                "episode_ids": _episodes(row)}
+        outcome = await fan_out(ctx, row, members, "restore", body, deadline)
+        if outcome.open:
+            return Result(requeue_after=max(deadline - time.time(), 0.0) + 6.0)
+        if outcome.failures:
+            detail = f"restore failed on {len(outcome.failures)} participant(s): " + "; ".join(outcome.failures)
+            cleanup = max(deadline, time.time() + self.settings.resume_timeout_s)
+            await self._move(ctx, row, "rolling_back", detail, detail=detail, deadline_ts=cleanup)
+            return Result()
+        await self._move(ctx, row, "resuming", f"restored on {len(members)} participant(s)",
+                         deadline_ts=time.time() + self.settings.resume_timeout_s)
+        return Result()
+
+    async def _finishing(self, ctx: Context, row: Row) -> Result:
+        """``resuming`` or ``rolling_back``: run the groups of calls in order, then end the restore."""
+        rollback = row.state == "rolling_back"
+        deadline = self._deadline(row, self.settings.resume_timeout_s)
+        members = await self._members(ctx, row)
+        base = {"checkpoint_id": row["checkpoint_id"], "deadline_ts": deadline}
+        steps: list[tuple[str, list[Member], dict[str, Any]]] = []
+        if rollback and row["scope"]:
+            retire = {**base, "episode_ids": _episodes(row, next_attempt=True)}
+            steps += [("retire", [m for m in members if m.kind in kinds], retire) for kinds in RETIRE_ORDER]
+        known = set(RESUME_ORDER)
+        steps += [("resume", [m for m in members if m.kind == kind or (kind == "resources" and m.kind not in known)],
+                   base) for kind in RESUME_ORDER]
+        cleanup: list[str] = []
+        for op, group, body in steps:
+            if not group:
+                continue
+            outcome = await fan_out(ctx, row, group, op, body, deadline)
+            if outcome.open:
+                return Result(requeue_after=max(deadline - time.time(), 0.0) + 6.0)
+            cleanup += [f"{op} {f}" for f in outcome.failures]
+        if rollback:
+            detail = row["detail"] or "restore failed"
+            if cleanup:
+                detail += f" [cleanup failures: {'; '.join(cleanup)}]"
+            await self._move(ctx, row, "failed", "rolled back: replacement attempts retired, everyone resumed",
+                             detail=detail)
+            return Result()
+        note = f"resumed with failures (their leases resume them): {'; '.join(cleanup)}" if cleanup else None
+        await self._move(ctx, row, "done", "every participant restored and resumed", *await self._next_attempts(
+            ctx, row), detail=note)
+        return Result()
+
+    async def _next_attempts(self, ctx: Context, row: Row) -> list[Transition]:
+        """Each existing rollout row of a scoped rollout moved to the attempt the restore continues."""
+        wanted = {e["rollout_id"]: e["attempt"] for e in _episodes(row, next_attempt=True)}
+        if not wanted:
+            return []
+        t = models.rollouts
+        async with ctx.journal.read() as conn:
+            found = (await conn.execute(sa.select(t).where(t.c.id.in_(sorted(wanted))))).all()
+        ops = []
+        for r in (to_row(ROLLOUTS, f._mapping) for f in found):
+            attempt = wanted[r.id]
+            if r["attempt"] >= attempt:
+                continue  # already there
+            if r.state not in ("dispatched", "retired"):
+                log.warning("rollout %s is %s; restore %s leaves it as it is", r.id, r.state, row.id)
+                continue
+            ops.append(Transition(ROLLOUTS, r.id, r.state, r.version, "dispatched",
+                                  f"restored from {row['checkpoint_id']} as attempt {attempt} ({row.id})",
+                                  {"attempt": attempt}))
+        return ops
+
+
+__all__ = ["LATEST_LIMIT", "MANIFEST_LIMIT", "RESUME_ORDER", "CheckpointNotFound", "read_latest", "read_manifest", "RestoreController", "RestoreSettings", "resolve_checkpoint",
+           "start_restore"]

@@ -1,0 +1,373 @@
+"""The training controller: one optimizer step per job, exactly once, with evidence for every doubt.
+
+A job is recorded ``RUNNING`` (``engine.workflows.training.submit_job``) before the trainer is called.
+This controller then, for a ``RUNNING`` job whose ``RUNNING`` commit it saw in this process:
+
+0. brings the trainer onto the deployment's latest verified step if it holds another (a trainer
+   process started again after a crash loads the newest job's checkpoint; a fresh one of a new
+   deployment declares its initial weights) — see ``_sync_trainer``;
+1. calls ``train`` on the trainer rank (through an executor: uni, mp or Ray);
+2. saves the checkpoint tagged with the job id (``<checkpoint_dir>/<job id>.ckpt``) and
+   verifies it;
+3. moves the job to ``CHECKPOINT`` with the checkpoint path and the metrics, in one transition.
+
+A failure of any of these leaves the job ``AMBIGUOUS`` (the step may or may not have run),
+except a refusal the trainer makes before any step (a malformed job): ``FAILED``.
+
+A ``RUNNING`` job this process did not record — found after a restart or a take-over — may
+have been trained by a process that died: it becomes ``AMBIGUOUS``, never trained on sight.
+An ``AMBIGUOUS`` job is settled only from durable evidence (after the same bringing-on of the
+trainer, which leaves alone a trainer whose latest step is the job), in this order:
+
+- a checkpoint at its path that verifies and carries its job id: ``CHECKPOINT``;
+- the live trainer's latest step is this job (the orchestrator died between ``train`` and the
+  checkpoint): the checkpoint is saved and verified now, then ``CHECKPOINT``;
+- the trainer's persisted step record does not name the job, so its step never started on the
+  trainer that holds the weights: ``RUNNING`` again, and it is trained (once). A trainer with no
+  record at all counts only if it never took a step: one that stepped without keeping a record
+  (no ``state_dir``) proves nothing;
+- otherwise it stays ``AMBIGUOUS`` with what is known in ``ambiguity``, for an operator.
+
+The trainer being unreachable, or a checkpoint that cannot be saved, decides nothing: what
+happened is written to ``ambiguity`` (when it changed) and the job is looked at again later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import sqlalchemy as sa
+
+from journal import Committed, Transition, models
+from journal.writes import Row, to_row
+
+from workers.inference.engine import InferenceEngine
+
+from engine.runtime.reconciler import Context, Result
+from engine.workflows.training.publication import PublicationSettings, Publisher
+
+log = logging.getLogger("tidelog.training")
+
+KIND = "training_jobs"
+#: States whose job's step is verified (a checkpoint) and stays in the trainer's lineage.
+KEPT = ("CHECKPOINT", "UPDATING_WEIGHTS", "READY_TO_COMMIT", "HEAD_COMMITTED", "COMPLETE")
+#: The job id a trainer's step record names when it holds its initial weights (workers.trainer.steps).
+INITIAL = "initial"
+
+
+class TrainerRanks(Protocol):
+    """What the controller needs of an executor (``workers.executor.Executor``)."""
+
+    def rpc(self, rank: int, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
+            timeout: float | None = None) -> Any: ...
+
+
+@dataclass(frozen=True)
+class TrainingSettings:
+    checkpoint_dir: str
+    #: The deployment whose jobs this controller trains (None: every job it is given; tests).
+    deployment: str | None = None
+    #: The trainer rank that takes the steps (the executor's others follow it, if any).
+    rank: int = 0
+    train_timeout_s: float = 3600.0
+    call_timeout_s: float = 120.0
+    #: How soon an unsettled AMBIGUOUS job (or an unreachable trainer) is looked at again.
+    retry_after_s: float = 5.0
+
+
+class TrainingController:
+    kind = KIND
+
+    def __init__(self, executor: TrainerRanks, settings: TrainingSettings,
+                 publication: tuple[Sequence[InferenceEngine] | Mapping[str, InferenceEngine],
+                                    PublicationSettings] | None = None) -> None:
+        self._executor = executor
+        self.settings = settings
+        # From CHECKPOINT on, the job's weights are published (when engines are given).
+        self.publisher = None if publication is None else Publisher(self._call, *publication,
+                                                                      ensure_trainer=self._ensure_trainer,
+                                                                      fresh_trainer=self._fresh_trainer)
+        # Job id -> the version of the RUNNING row this process committed: the only RUNNING
+        # records it may act on by calling train (once each).
+        self._recorded: dict[str, int] = {}
+        self._busy: set[str] = set()  # jobs whose trainer calls are running now
+
+    def on_commit(self, committed: Sequence[Committed]) -> None:
+        """Journal commit listener: note the RUNNING records this process made."""
+        for c in committed:
+            if c.kind == KIND and c.to_state == "RUNNING":
+                self._recorded[c.entity_id] = c.version
+
+    def checkpoint_path(self, job_id: str) -> str:
+        return str(Path(self.settings.checkpoint_dir) / f"{job_id}.ckpt")
+
+    async def _call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+        limit = timeout if timeout is not None else self.settings.call_timeout_s
+        try:
+            return await asyncio.to_thread(self._executor.rpc, self.settings.rank, method, args, None, limit)
+        except TimeoutError:
+            # A trainer that does not answer a cheap call is stuck: calls would only queue behind it.
+            # Stopping it loses nothing durable; the next sync point starts a fresh one.
+            release = getattr(self._executor, "release", None)
+            if method != "train" and release is not None:
+                await asyncio.to_thread(release, f"{method} did not answer within {limit:g} s")
+            raise
+
+    # -- the machine ----------------------------------------------------------------------
+
+    async def reconcile(self, ctx: Context, job_id: str) -> Result:
+        row = await ctx.get(KIND, job_id)
+        if row is None or row.state not in ("RUNNING", "AMBIGUOUS", *Publisher.STATES):
+            self._recorded.pop(job_id, None)
+            return Result()
+        if self.settings.deployment is not None and row["deployment"] != self.settings.deployment:
+            return Result()  # another deployment's job: its trainer and engines are not these
+        if job_id in self._busy:
+            return Result()  # the calls' end writes the outcome and wakes it
+        if row.state in Publisher.STATES:
+            if self.publisher is None:
+                return Result()  # no engines to publish to: the job waits in its state
+            self._busy.add(job_id)
+            try:
+                async with self.publisher.lock:
+                    return await self.publisher.step(ctx, row)
+            finally:
+                self._busy.discard(job_id)
+        if row.state == "RUNNING":
+            if self._recorded.pop(job_id, None) != row.version:
+                await ctx.apply(self._ambiguous(row, "found RUNNING without having recorded it here (a restart or "
+                                                     "a take-over): its step may have run"))
+                return Result()
+            try:
+                health = await self._sync_trainer(ctx, row)
+            except Exception as exc:  # noqa: BLE001 - train was not called: the job stays RUNNING, ours to train
+                why = f"the trainer is not ready ({type(exc).__name__}: {exc}); train not called, trying again"
+                log.warning("training job %s: %s", job_id[:12], why)
+                self._recorded[job_id] = row.version
+                if row["detail"] != why:
+                    # Said in the journal (the commit listener notes the new version as ours to train).
+                    await ctx.apply(Transition(KIND, row.id, "RUNNING", row.version, "RUNNING", why[:200],
+                                               {"detail": why}))
+                return Result(requeue_after=self.settings.retry_after_s)
+            return await self._train(ctx, row, health)
+        return await self._settle(ctx, row)
+
+    async def _sync_trainer(self, ctx: Context, row: Row) -> dict[str, Any]:
+        """Put the trainer on the deployment's latest verified step before trusting what it holds.
+
+        The one place (with the publisher's transfer and rejection) where a trainer that died is
+        started again (``TrainerHost.ensure``): a fresh one holds its initial weights.
+
+        - A trainer whose latest step is ``row``'s job, finished, is left alone: that is evidence
+          for settling it.
+        - When the deployment has a job with a verified checkpoint (``CHECKPOINT`` or later, not
+          rejected) and the trainer's latest step is another one, or a step began and did not
+          finish (``in_doubt``: the weights may hold part of it), that checkpoint is loaded: a
+          trainer started again after a crash continues from it, bit for bit.
+        - With no such job the trainer must hold its initial weights. A fresh one declares them,
+          so a step record a dead trainer process left naming a job no longer reads as that
+          job's step being held (it died with that process's memory). One that holds steps or
+          part of a step no kept job accounts for (a job abandoned by an operator, a step that
+          raised part-way) is stopped and started again, then declares them. An executor a
+          caller handed in cannot be started again: its trainer is trusted as it is.
+
+        Returns the trainer's health (step and latest job as they are after this).
+        """
+        await self._ensure_trainer()
+        health: dict[str, Any] = await self._call("health")
+        last, doubt = health.get("last_job_id"), health.get("in_doubt")
+        if last == row.id and doubt is None:
+            return health
+        latest = await self._latest_step(ctx, row)
+        if latest is not None:
+            if last != latest.id or doubt is not None:
+                log.info("training job %s: the trainer's latest step is %r (in doubt: %r); loading job %s's "
+                         "checkpoint first", row.id[:12], last, doubt, latest.id[:12])
+                info = await self._call("load_checkpoint", latest["checkpoint_path"])
+                health = {**health, "step": info["step"], "last_job_id": info["job_id"], "in_doubt": None}
+            return health
+        if last is not None or health.get("step") or doubt is not None:
+            why = (f"it holds steps no kept job of the deployment accounts for (latest job {last!r}, step "
+                   f"{health.get('step')}, in doubt {doubt!r})")
+            if not await self._restart_trainer(why):
+                return health
+            health = await self._call("health")
+        return await self._declare_initial(health)
+
+    async def _declare_initial(self, health: dict[str, Any]) -> dict[str, Any]:
+        """Have a trainer on its initial weights say so in its step record (unless it already does)."""
+        record = health.get("step_record")
+        if record is not None and record.get("job_id") != INITIAL:
+            await self._call("declare_initial")
+            health = await self._call("health")
+        return health
+
+    async def _fresh_trainer(self, why: str) -> bool:
+        """Replace the trainer by a fresh one on its initial weights, which it declares (False: cannot)."""
+        if not await self._restart_trainer(why):
+            return False
+        await self._declare_initial(await self._call("health"))
+        return True
+
+    async def _ensure_trainer(self) -> bool:
+        """Start a trainer if the host has none live (True when a fresh one was started)."""
+        ensure = getattr(self._executor, "ensure", None)
+        return bool(await asyncio.to_thread(ensure)) if ensure is not None else False
+
+    async def _restart_trainer(self, why: str) -> bool:
+        """Stop the trainer and start a fresh one (False: the executor cannot be restarted)."""
+        release = getattr(self._executor, "release", None)
+        if release is None:
+            return False
+        log.warning("restarting the trainer: %s", why)
+        await asyncio.to_thread(release, why)
+        await self._ensure_trainer()
+        return True
+
+    async def _latest_step(self, ctx: Context, row: Row) -> Row | None:
+        """The deployment's newest other job whose step is verified and kept (its checkpoint)."""
+        t = models.training_jobs
+        async with ctx.journal.read() as conn:
+            found = (await conn.execute(
+                sa.select(t).where(t.c.deployment == row["deployment"], t.c.id != row.id,
+                                   t.c.state.in_(KEPT), t.c.checkpoint_path.is_not(None))
+                .order_by(t.c.created_at.desc()).limit(1))).first()
+        return None if found is None else to_row(KIND, found._mapping)
+
+    def _ambiguous(self, row: Row, why: str, extra: dict[str, Any] | None = None) -> Transition:
+        return Transition(KIND, row.id, row.state, row.version, "AMBIGUOUS", why[:200],
+                          {"ambiguity": why, **(extra or {})})
+
+    async def _train(self, ctx: Context, row: Row, health: dict[str, Any]) -> Result:
+        """Call train, save and verify the checkpoint, record CHECKPOINT (or what went wrong).
+
+        Every outcome records ``trainer_step``, the trainer's step just before ``train`` was called:
+        what an operator compares with the trainer's step record when the outcome is ambiguous.
+        """
+        before = {"trainer_step": health.get("step")}
+        self._busy.add(row.id)
+        try:
+            try:
+                metrics = await self._call("train", {**row["payload"], "job_id": row.id},
+                                           timeout=self.settings.train_timeout_s)
+            except Exception as exc:  # noqa: BLE001 - the trainer's own exception, kept intact by the executor
+                if _refused_before_any_step(exc):
+                    await ctx.apply(Transition(KIND, row.id, "RUNNING", row.version, "FAILED",
+                                               f"the trainer refused the job: {exc}"[:200],
+                                               {"detail": str(exc), **before}))
+                else:
+                    await ctx.apply(self._ambiguous(row, f"train failed ({type(exc).__name__}: {exc}); the step "
+                                                         f"may have run", before))
+                return Result()
+            path = self.checkpoint_path(row.id)
+            try:
+                info = await self._save_and_verify(path, row.id)
+            except Exception as exc:  # noqa: BLE001 - the step ran, but no durable evidence of it yet
+                await ctx.apply(self._ambiguous(row, f"trained, but the checkpoint failed ({type(exc).__name__}: "
+                                                     f"{exc})", before))
+                return Result()
+            await ctx.apply(Transition(KIND, row.id, "RUNNING", row.version, "CHECKPOINT",
+                                       f"step {info['step']} trained and its checkpoint verified",
+                                       {"checkpoint_path": path, "metrics": metrics, "detail": None, **before}))
+        finally:
+            self._busy.discard(row.id)
+        return Result()
+
+    async def _save_and_verify(self, path: str, job_id: str) -> dict[str, Any]:
+        await self._call("save_checkpoint", path, job_id)
+        info: dict[str, Any] = await self._call("verify_checkpoint", path)
+        if info.get("job_id") != job_id:
+            raise ValueError(f"checkpoint {path} carries job {info.get('job_id')!r}, not {job_id!r}")
+        return info
+
+    async def verify_checkpoint_of(self, job_id: str, path: str) -> dict[str, Any]:
+        """Have the trainer verify the checkpoint at ``path`` and check it carries ``job_id`` (the
+        operator's ``resolve ran``); its info. A checkpoint that does not verify or carries another
+        job raises a :class:`ValueError` (the trainer's ``CheckpointError`` is one); an unreachable
+        trainer raises the executor's error."""
+        info: dict[str, Any] = await self._call("verify_checkpoint", path)
+        if info.get("job_id") != job_id:
+            raise ValueError(f"checkpoint {path} carries job {info.get('job_id')!r}, not {job_id!r}")
+        return info
+
+    async def _settle(self, ctx: Context, row: Row) -> Result:
+        """An AMBIGUOUS job: settle it from durable evidence, or say what is known."""
+        path = self.checkpoint_path(row.id)
+        self._busy.add(row.id)
+        try:
+            try:
+                await self._sync_trainer(ctx, row)
+            except Exception as exc:  # noqa: BLE001 - an unreachable trainer proves nothing
+                log.warning("training job %s: could not bring the trainer onto the latest step (%s)", row.id, exc)
+            try:
+                info: dict[str, Any] | None = await self._call("verify_checkpoint", path)
+            except Exception:  # noqa: BLE001 - no checkpoint there (or a damaged one): not evidence
+                info = None
+            if info is not None and info.get("job_id") == row.id:
+                await ctx.apply(Transition(KIND, row.id, "AMBIGUOUS", row.version, "CHECKPOINT",
+                                           f"settled: checkpoint {path} verifies and carries the job",
+                                           {"checkpoint_path": path, "ambiguity": None,
+                                            "metrics": {"settled_from": "verified checkpoint", "step": info["step"]}}))
+                return Result()
+            try:
+                health: dict[str, Any] = await self._call("health")
+            except Exception as exc:  # noqa: BLE001 - an unreachable trainer proves nothing
+                log.warning("training job %s: the trainer did not answer (%s); looking again later", row.id, exc)
+                return await self._still_ambiguous(ctx, row, f"the trainer's health did not answer "
+                                                             f"({type(exc).__name__}: {exc}); looking again later")
+            if health.get("last_job_id") == row.id and health.get("in_doubt") is None:
+                # The live trainer's latest step is this job: make the evidence durable now.
+                try:
+                    info = await self._save_and_verify(path, row.id)
+                except Exception as exc:  # noqa: BLE001 - still the live trainer's step; said, and tried again
+                    return await self._still_ambiguous(ctx, row, f"the live trainer's latest step is this job, but "
+                                                                 f"its checkpoint failed ({type(exc).__name__}: "
+                                                                 f"{exc}); trying again")
+                await ctx.apply(Transition(KIND, row.id, "AMBIGUOUS", row.version, "CHECKPOINT",
+                                           f"settled: the trainer's latest step {info['step']} is this job; "
+                                           f"checkpoint saved and verified",
+                                           {"checkpoint_path": path, "ambiguity": None,
+                                            "metrics": {"settled_from": "live trainer", "step": info["step"]}}))
+                return Result()
+            record = health.get("step_record")
+            # No record proves nothing from a trainer that took steps without keeping one (no state_dir):
+            # only a trainer that never stepped, or whose durable record names another job, is evidence.
+            kept = record is not None or not health.get("step")
+            if kept and (record is None or record.get("job_id") != row.id):
+                seen = "no step record" if record is None else f"its step record names job {record.get('job_id')}"
+                await ctx.apply(Transition(KIND, row.id, "AMBIGUOUS", row.version, "RUNNING",
+                                           f"settled: the trainer ({seen}, step {health.get('step')}) never "
+                                           f"started this job's step; training it", {"ambiguity": None}))
+                return Result()
+            if record is None:
+                why = (f"the trainer keeps no step record (it is at step {health.get('step')} without one), no "
+                       f"checkpoint at {path} carries this job and the live trainer's latest job is "
+                       f"{health.get('last_job_id')!r}: an operator must decide")
+            else:
+                why = (f"the trainer's step record names this job ({record.get('phase')}, step {record.get('step')}) "
+                       f"but no checkpoint at {path} carries it and the live trainer's latest job is "
+                       f"{health.get('last_job_id')!r}: an operator must decide")
+            return await self._still_ambiguous(ctx, row, why)
+        finally:
+            self._busy.discard(row.id)
+
+    async def _still_ambiguous(self, ctx: Context, row: Row, why: str) -> Result:
+        """Say in the journal what is known (only when it changed), and look again later."""
+        if row["ambiguity"] != why:
+            await ctx.apply(Transition(KIND, row.id, "AMBIGUOUS", row.version, "AMBIGUOUS",
+                                       "still ambiguous: " + why[:180], {"ambiguity": why}))
+        return Result(requeue_after=self.settings.retry_after_s)
+
+
+def _refused_before_any_step(exc: BaseException) -> bool:
+    """The trainer validated the job and refused it before any step (its ``JobError``)."""
+    # By name: importing workers.trainer would import torch into the orchestrator.
+    return type(exc).__name__ == "JobError" and type(exc).__module__.startswith("workers.trainer")
+
+
+__all__ = ["KIND", "TrainerRanks", "TrainingController", "TrainingSettings"]

@@ -1,0 +1,230 @@
+"""The commit gate over the deployment's inference engines, applied at start-up and on every resync.
+
+One ``engines`` row per configured engine (``sync_engines`` at election). At each election every live
+row that election did not just register moves to ``unverified`` in the same write: it claims no
+version until the gate has looked at its engine under the new leader (a row from before a restart
+is not the truth: the engine may have been restarted or given other weights meanwhile). Only a look
+moves a row on (``serving``, ``paused``, ``unreachable``). Reconciling a row looks
+at the engine and at the journal, under the publisher's lock (so it never interleaves with a
+publication step), and applies the gate the publication workflow keeps:
+
+- a publication between ``UPDATING_WEIGHTS`` and ``READY_TO_COMMIT`` holds an *uncommitted*
+  candidate: the engine is paused (again, if it was restarted meanwhile) and stays paused;
+- a publication in ``CHECKPOINT``, ``HEAD_COMMITTED`` or ``REJECTING``: the publisher is about to
+  act on every engine (pause, resume on the committed version, put the incumbent back); the gate
+  only records what the engine reports (a ``registered`` or ``unverified`` row stays so until the
+  publisher is done: nothing verified can be said of it meanwhile);
+- no publication in flight: the engine must serve the committed head. One that serves anything
+  else (an engine restarted on its start-up weights, one that loaded a candidate that was then
+  rejected while the orchestrator was down) is paused, loads the head from disk and must report
+  it; only then is generation continued. Every engine agreeing on the head is what lets the
+  deployment serve.
+
+An engine that does not answer is ``unreachable``; one that cannot be brought to the head stays
+paused and the row says why (``detail``). Either is looked at again after ``retry_after_s``.
+A row moves (with its event) only when what it records changed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+
+from journal import Transition, WriteTx, models
+from journal.writes import Row, to_row
+from workers.inference.engine import InferenceEngine
+
+from engine.runtime.reconciler import Context, Result
+
+log = logging.getLogger("tidelog.engines")
+
+KIND = "engines"
+#: Publication states with an uncommitted candidate on (some) engines: they stay paused.
+UNCOMMITTED = ("UPDATING_WEIGHTS", "READY_TO_COMMIT")
+#: Publication states whose next step acts on every engine itself.
+PUBLISHER_ACTS = ("CHECKPOINT", "HEAD_COMMITTED", "REJECTING")
+#: The state of every live row from its election until the gate has looked at its engine: it claims
+#: no version (``serving_version`` is null). Readers take it, like ``registered``, as not yet known.
+UNVERIFIED = "unverified"
+#: States whose row says nothing this leader has seen about the engine.
+NOT_YET_KNOWN = ("registered", UNVERIFIED)
+
+
+def engine_id(deployment: str, name: str) -> str:
+    """An engine's row id: ``<deployment>/<name>`` (names are unique within a deployment only)."""
+    return f"{deployment}/{name}"
+
+
+async def sync_engines(tx: WriteTx, deployment: str, configured: Mapping[str, str]) -> list[str]:
+    """Make the deployment's ``engines`` rows match the configuration (name -> url); returns the ids touched.
+
+    Called at every election, in one write. A new name is created ``registered`` (id
+    :func:`engine_id`); a changed URL retires the row and registers it again; a name no longer
+    configured is ``retired`` (its history stays). Every other live row moves to ``unverified``: what
+    it says was seen by an earlier leader, and the engine may have been restarted or given other
+    weights since, so the row stops claiming a version (``serving_version`` and ``health`` cleared,
+    what it said kept in ``detail``) until the gate has looked at the engine (:data:`UNVERIFIED`).
+    """
+    t = models.engines
+    rows = {r.id: r for r in (await tx.execute(sa.select(
+        t.c.id, t.c.state, t.c.version, t.c.url, t.c.serving_version, t.c.health).where(
+        t.c.deployment == deployment))).all()}
+    touched: list[str] = []
+    ids = {engine_id(deployment, name): url for name, url in configured.items()}
+    for name, url in ids.items():
+        row = rows.get(name)
+        if row is None:
+            await tx.create(KIND, name, reason="configured", values={"deployment": deployment, "url": url})
+        elif row.state == "retired":
+            await tx.transition(KIND, name, from_state="retired", version=row.version, to_state="registered",
+                                reason="configured again", changes={"url": url, "detail": None})
+        elif row.url != url:
+            await tx.transition(KIND, name, from_state=row.state, version=row.version, to_state="retired",
+                                reason=f"url changed to {url}")
+            await tx.transition(KIND, name, from_state="retired", version=row.version + 1, to_state="registered",
+                                reason="configured with a new url", changes={"url": url, "instance": None,
+                                                                             "serving_version": None,
+                                                                             "detail": None})
+        elif row.state != UNVERIFIED:
+            said = f"{row.state}, serving {row.serving_version or 'nothing known'}, health {row.health or '-'}"
+            await tx.transition(KIND, name, from_state=row.state, version=row.version, to_state=UNVERIFIED,
+                                reason="elected: not verified until the gate looks at the engine",
+                                changes={"serving_version": None, "health": None,
+                                         "detail": f"not verified since this leader's election; an earlier "
+                                                   f"leader recorded it {said}"[:500]})
+        else:
+            continue  # already unverified: the gate has not looked at it since an earlier election
+        touched.append(name)
+    for name, row in rows.items():
+        if name not in ids and row.state != "retired":
+            await tx.transition(KIND, name, from_state=row.state, version=row.version, to_state="retired",
+                                reason="no longer configured")
+            touched.append(name)
+    return touched
+
+
+@dataclass(frozen=True)
+class GateSettings:
+    deployment: str
+    pause_mode: str = "retract"
+    retry_after_s: float = 5.0
+
+
+class EngineGateController:
+    """Reconciles ``engines`` rows: the start-up (and standing) commit gate; see the module docs."""
+
+    kind = KIND
+
+    def __init__(self, engines: Mapping[str, InferenceEngine], settings: GateSettings, lock: asyncio.Lock) -> None:
+        self.engines = dict(engines)
+        self.settings = settings
+        #: Shared with the publisher: a gate look and a publication step never interleave.
+        self.lock = lock
+        # Engines this process has already resumed on the head: a later look that finds the same
+        # version and no pause recorded needs no call. The first look of a process always resumes,
+        # since a crash can leave an engine paused without the row saying so.
+        self._resumed: set[str] = set()
+
+    async def reconcile(self, ctx: Context, engine_id: str) -> Result:
+        row = await ctx.get(KIND, engine_id)
+        engine = self.engines.get(engine_id)
+        if row is None or row.state == "retired" or engine is None or row["deployment"] != self.settings.deployment:
+            return Result()
+        if self.lock.locked():
+            # A publication step holds the engines (a transfer may take minutes): come back later
+            # rather than hold one of the reconciler's slots waiting.
+            return Result(requeue_after=self.settings.retry_after_s)
+        async with self.lock:  # free: taken at once, no other coroutine runs in between
+            return await self._gate(ctx, row, engine)
+
+    async def _gate(self, ctx: Context, row: Row, engine: InferenceEngine) -> Result:
+        retry = Result(requeue_after=self.settings.retry_after_s)
+        try:
+            version = await engine.weight_version()
+        except Exception as exc:  # noqa: BLE001 - recorded on the row; looked at again
+            self._resumed.discard(row.id)
+            await self._record(ctx, row, "unreachable", {"health": "unreachable",
+                                                         "detail": f"{type(exc).__name__}: {exc}"[:500]})
+            return retry
+        job, head = await self._publication(ctx)
+        if job is not None and job.state in UNCOMMITTED:
+            await engine.pause_generation(self.settings.pause_mode)
+            self._resumed.discard(row.id)
+            await self._record(ctx, row, "paused", {"health": "ok", "paused": True, "serving_version": version,
+                                                    "detail": f"job {job.id[:12]} {job.state}: held paused until "
+                                                              f"its candidate is committed or rejected"})
+            return Result()
+        if job is not None and job.state in PUBLISHER_ACTS:
+            # The publisher's next step pauses, resumes or restores every engine itself.
+            self._resumed.discard(row.id)
+            if row.state in NOT_YET_KNOWN:
+                # Nothing verified to say of it yet (the publisher is about to change what it serves
+                # and whether it generates): looked at again once the publisher is done.
+                return retry
+            await self._record(ctx, row, row.state, {
+                "health": "ok", "serving_version": version,
+                "detail": f"job {job.id[:12]} {job.state}: the publisher acts on the engines"})
+            return Result()
+        if head is not None and version != head.id:
+            if head["weights_path"] is None:
+                await engine.pause_generation(self.settings.pause_mode)
+                self._resumed.discard(row.id)
+                await self._record(ctx, row, "paused", {
+                    "health": "ok", "paused": True, "serving_version": version,
+                    "detail": f"serves {version!r}, not the committed head {head.id}, whose weights are not on "
+                              f"disk (set training.initial_weights); held paused for an operator"})
+                return retry
+            try:
+                await engine.pause_generation(self.settings.pause_mode)
+                await engine.update_weights_from_disk(head["weights_path"], head.id)
+                version = await engine.weight_version()
+                if version != head.id:
+                    raise RuntimeError(f"reports {version!r} after loading {head.id}")
+            except Exception as exc:  # noqa: BLE001 - held paused, recorded, looked at again
+                self._resumed.discard(row.id)
+                await self._record(ctx, row, "paused", {
+                    "health": "ok", "paused": True, "serving_version": version,
+                    "detail": f"could not bring it to the committed head {head.id} "
+                              f"({type(exc).__name__}: {exc}); held paused"[:500]})
+                return retry
+            log.info("engine %s: loaded the committed head %s", row.id, head.id)
+            self._resumed.discard(row.id)
+        if row.id not in self._resumed or row["paused"] or row.state != "serving":
+            await engine.continue_generation()
+            self._resumed.add(row.id)
+        await self._record(ctx, row, "serving", {"health": "ok", "paused": False, "serving_version": version,
+                                                 "detail": None})
+        return Result()
+
+    async def _publication(self, ctx: Context) -> tuple[Row | None, Row | None]:
+        """The deployment's job in a publication state (if any) and its committed head (if any)."""
+        j, v = models.training_jobs, models.weight_versions
+        async with ctx.journal.read() as conn:
+            job = (await conn.execute(sa.select(j).where(
+                j.c.deployment == self.settings.deployment,
+                j.c.state.in_((*UNCOMMITTED, *PUBLISHER_ACTS))).limit(1))).first()
+            head = (await conn.execute(sa.select(v).where(
+                v.c.deployment == self.settings.deployment, v.c.state == "committed")
+                .order_by(v.c.sequence.desc()).limit(1))).first()
+        return (None if job is None else to_row("training_jobs", job._mapping),
+                None if head is None else to_row("weight_versions", head._mapping))
+
+    async def _record(self, ctx: Context, row: Row, state: str, changes: dict[str, Any]) -> None:
+        """Move the row only when what it records changed (every resync looks again)."""
+        engine = self.engines.get(row.id)
+        if engine is not None:
+            # The adapter's acknowledged state of each memory region (resident or released).
+            changes = {**changes, "memory": {region: str(getattr(st, "value", st))
+                                             for region, st in sorted(engine.memory.items())}}
+        if row.state == state and all(row[k] == v for k, v in changes.items()):
+            return
+        said = changes.get("detail") or f"serving {changes.get('serving_version')}"
+        await ctx.apply(Transition(KIND, row.id, row.state, row.version, state, str(said)[:200], changes))
+
+
+__all__ = ["NOT_YET_KNOWN", "UNVERIFIED", "EngineGateController", "GateSettings", "engine_id", "sync_engines"]

@@ -1,0 +1,79 @@
+"""Build the training half of an orchestrator from the ``training`` section of the configuration.
+
+``tidelog serve`` with ``training.enabled``: a :class:`TrainerHost` over an executor of one
+trainer rank (``training.executor``), the deployment's engines (SGLang's HTTP admin API; the
+reference engine speaks it too), the training controller with commit-gated publication, and the
+engine gate. Nothing starts here: the trainer process is launched on the first call, by the
+leader only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from workers.executor import Executor, ExecutorConfig, WorkerSpec
+from workers.inference.engine import InferenceEngine
+from workers.inference.sglang import SGLangConfig, SGLangEngine
+
+from engine.config import Settings
+from engine.workflows.training.engine_gate import EngineGateController, GateSettings, engine_id
+from engine.workflows.training.publication import PublicationSettings
+from engine.workflows.training.controller import TrainingController, TrainingSettings
+from engine.workflows.training.trainer_host import TrainerHost
+
+#: Import path of the trainer worker: the orchestrator does not import torch unless it trains in process.
+TRAINER = "workers.trainer.worker:Trainer"
+
+
+@dataclass
+class TrainingParts:
+    host: TrainerHost
+    engines: Mapping[str, InferenceEngine]
+    controller: TrainingController
+    gate: EngineGateController
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.host.shutdown)
+        for engine in self.engines.values():
+            close = getattr(engine, "close", None)
+            if close is not None:
+                await close()
+
+
+def _absolute(path: str) -> str:
+    """Paths go to other processes (engines read weights from disk; Ray actors have their own working
+    directory) and into the journal: resolved once, against the orchestrator's working directory."""
+    return str(Path(path).expanduser().resolve())
+
+
+def build_training(settings: Settings) -> TrainingParts:
+    t = settings.training
+    trainer = t.trainer
+    state_dir = _absolute(trainer.state_dir)
+
+    def factory() -> Executor:
+        return Executor.create(ExecutorConfig(backend=t.executor, workers=(WorkerSpec(TRAINER, kwargs={
+            "seed": trainer.seed, "lr": trainer.lr, "device": trainer.device, "state_dir": state_dir}),)))
+
+    host = TrainerHost(factory)
+    engines: dict[str, InferenceEngine] = {
+        engine_id(t.deployment, e.name): SGLangEngine(SGLangConfig(url=e.url, timeout=t.engine_timeout_s,
+                                                                   weight_update_timeout=t.weight_update_timeout_s))
+        for e in t.engines}
+    publication = PublicationSettings(
+        deployment=t.deployment, weights_dir=_absolute(t.weights_dir), pause_mode=t.pause_mode,
+        retry_after_s=t.publish_retry_after_s,
+        initial_weights=None if t.initial_weights is None else _absolute(t.initial_weights))
+    controller = TrainingController(host, TrainingSettings(
+        checkpoint_dir=_absolute(t.checkpoint_dir), deployment=t.deployment, train_timeout_s=t.train_timeout_s,
+        call_timeout_s=t.call_timeout_s, retry_after_s=t.retry_after_s),
+        publication=(engines, publication) if engines else None)
+    lock = controller.publisher.lock if controller.publisher is not None else asyncio.Lock()
+    gate = EngineGateController(engines, GateSettings(t.deployment, t.pause_mode, t.retry_after_s), lock)
+    return TrainingParts(host, engines, controller, gate)
+
+
+__all__ = ["TRAINER", "TrainingParts", "build_training"]
