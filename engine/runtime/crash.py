@@ -1,8 +1,9 @@
 """Named crash hooks: kill this process right after a named commit, for recovery tests.
 
-Every commit the journal makes is announced to :func:`commit_listener`, which
-names each entity write ``<kind>:<from>-><to>`` (``<kind>:created:<state>``
-for a create). When ``TIDELOG_CRASH_AT`` names one of them (optionally
+Every commit the journal makes is announced to a :class:`CrashHooks` commit listener
+(the Orchestrator installs one first), which names each entity write
+``<kind>:<from>-><to>`` (``<kind>:created:<state>`` for a create, :func:`hook_name`;
+:func:`hook_names` lists every name a set of machines can reach). When ``TIDELOG_CRASH_AT`` names one of them (optionally
 ``NAME@N`` for its N-th occurrence), the process sends itself SIGKILL at that
 point — after the commit is durable, before anything else happens. Unarmed,
 the hook costs one dictionary lookup per commit.

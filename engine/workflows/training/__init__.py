@@ -1,6 +1,14 @@
-"""Training jobs and commit-gated publication (issue 6, in progress): see docs/training.md."""
+"""The training family: jobs run exactly once on a trainer and their weights published to the
+inference engines behind a commit gate (docs/training.md).
 
-from engine.workflows.training.identity import (IDENTITY_EXCLUDED, LoadId, LoadIdError, TrainingPayloadError, canonical, job_identity)
+Its modules: ``identity`` (job ids, runtime load ids), ``jobs`` (submission), ``operator`` (the
+operator's reject and resolve), ``controller`` (training), ``publication``, ``engine_gate``,
+``trainer_host``, ``wiring`` (building it all from the settings), ``api`` and ``cli``. The names
+below are the family's public API.
+"""
+
+from engine.workflows.training.identity import (IDENTITY_EXCLUDED, LoadId, LoadIdError, TrainingPayloadError, canonical,
+                                               job_identity)
 from engine.workflows.training.jobs import JobClosed, JobConflict, Submission, in_flight, submit_job
 from engine.workflows.training.operator import InvalidDecision, JobNotFound, JobStateRefused, reject_job, resolve_job
 
