@@ -77,15 +77,13 @@ def make_app(orch: Orchestrator) -> web.Application:
 
     async def metrics(_: web.Request) -> web.Response:
         m = orch.metrics
+        counts = await entity_counts(orch.journal)  # read first: no await between clear and set
         m.queue_depth.set(len(orch.reconciler.queue))
         m.commits.set(orch.committer.commits)
         m.writes.set(orch.committer.writes)
-        m.entities.clear()
-        for kind, states in (await entity_counts(orch.journal)).items():
-            for state, n in states.items():
-                m.entities.set(n, kind=kind, state=state)
-        return web.Response(text=m.render(), content_type="text/plain", charset="utf-8",
-                            headers={"X-Content-Type-Options": "nosniff"})
+        m.set_entities(counts)
+        return web.Response(body=m.render(), headers={"Content-Type": m.content_type,
+                                                      "X-Content-Type-Options": "nosniff"})
 
     async def status(_: web.Request) -> web.Response:
         return web.json_response(await status_snapshot(orch))

@@ -250,12 +250,12 @@ class Dispatcher:
                     row["target"], row["method"], row["path"], row["body"], timeout_s=row["timeout_s"],
                     idempotency_key=row.id, pool=row["pool"], repeatable=row["repeatable"], content=content)
             except RpcError as exc:
-                self._metrics.rpc_calls.inc(method=row["path"], outcome=type(exc).__name__)
-                self._metrics.rpc_seconds.observe(time.perf_counter() - started, method=row["path"])
+                self._metrics.rpc_calls.labels(method=row["path"], outcome=type(exc).__name__).inc()
+                self._metrics.rpc_seconds.labels(method=row["path"]).observe(time.perf_counter() - started)
                 await self._record_error(row, exc)
             else:
-                self._metrics.rpc_calls.inc(method=row["path"], outcome="ok")
-                self._metrics.rpc_seconds.observe(time.perf_counter() - started, method=row["path"])
+                self._metrics.rpc_calls.labels(method=row["path"], outcome="ok").inc()
+                self._metrics.rpc_seconds.labels(method=row["path"]).observe(time.perf_counter() - started)
                 await self._record(outbox.succeeded(row, result), row)
         self._on_done(*owner)
 

@@ -1,135 +1,92 @@
-"""A small Prometheus text-format registry (counters, gauges, summaries with labels).
+"""The orchestrator's Prometheus series, on prometheus-client.
 
-Kept in-process and dependency-free: the orchestrator exports a handful of
-series, and gauges that describe the journal are computed at scrape time.
+Each :class:`Metrics` owns its own :class:`~prometheus_client.CollectorRegistry`
+(several orchestrators share one process in the tests, so nothing goes on the
+global registry), with the process, platform and GC collectors registered on it.
+Gauges that describe the journal are set at scrape time by the ``/metrics``
+handler; :meth:`Metrics.render` is the standard text exposition
+(``generate_latest``), served with :data:`CONTENT_TYPE`.
+
+Series (names as exposed):
+
+- ``tidelog_reconciles_total{kind,outcome}`` counter
+- ``tidelog_reconcile_seconds{kind}`` histogram (``_bucket``/``_sum``/``_count``)
+- ``tidelog_rpc_calls_total{method,outcome}`` counter
+- ``tidelog_rpc_seconds{method}`` histogram (``_bucket``/``_sum``/``_count``)
+- ``tidelog_discovery_probes_total{result}`` counter
+- ``tidelog_group_commits``, ``tidelog_group_commit_writes``, ``tidelog_queue_depth``,
+  ``tidelog_leader``, ``tidelog_lease_epoch`` gauges
+- ``tidelog_entities{kind,state}`` gauge (read at scrape time)
+- ``process_*``, ``python_info``, ``python_gc_*`` from the standard collectors
+
+The two latency series were summaries (``_sum``/``_count`` only) before the move to
+prometheus-client; they keep their names and labels and gain ``_bucket`` series.
+Counters also expose prometheus-client's standard ``_created`` samples.
 """
 
 from __future__ import annotations
 
-import math
-from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
 
-LabelKey = tuple[tuple[str, str], ...]
+__all__ = ["CONTENT_TYPE", "LATENCY_BUCKETS", "Metrics"]
 
+CONTENT_TYPE = CONTENT_TYPE_LATEST
 
-def _key(labels: dict[str, str]) -> LabelKey:
-    return tuple(sorted(labels.items()))
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _fmt_labels(key: LabelKey, extra: Iterable[tuple[str, str]] = ()) -> str:
-    items = list(key) + list(extra)
-    if not items:
-        return ""
-    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in items) + "}"
-
-
-def _fmt_value(v: float) -> str:
-    if math.isinf(v):
-        return "+Inf" if v > 0 else "-Inf"
-    return repr(float(v)) if not float(v).is_integer() else str(int(v))
-
-
-class _Metric(ABC):
-    kind = "untyped"
-
-    def __init__(self, name: str, help_text: str) -> None:
-        self.name = name
-        self.help = help_text
-
-    def header(self) -> list[str]:
-        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
-
-    @abstractmethod
-    def lines(self) -> list[str]:
-        """The sample lines of this metric."""
-
-
-class Counter(_Metric):
-    kind = "counter"
-
-    def __init__(self, name: str, help_text: str) -> None:
-        super().__init__(name, help_text)
-        self.values: dict[LabelKey, float] = {}
-
-    def inc(self, amount: float = 1.0, **labels: str) -> None:
-        if amount < 0:
-            raise ValueError("a counter only goes up")
-        k = _key(labels)
-        self.values[k] = self.values.get(k, 0.0) + amount
-
-    def get(self, **labels: str) -> float:
-        return self.values.get(_key(labels), 0.0)
-
-    def lines(self) -> list[str]:
-        return [f"{self.name}{_fmt_labels(k)} {_fmt_value(v)}" for k, v in sorted(self.values.items())]
-
-
-class Gauge(_Metric):
-    kind = "gauge"
-
-    def __init__(self, name: str, help_text: str) -> None:
-        super().__init__(name, help_text)
-        self.values: dict[LabelKey, float] = {}
-
-    def set(self, value: float, **labels: str) -> None:
-        self.values[_key(labels)] = float(value)
-
-    def clear(self) -> None:
-        self.values.clear()
-
-    def lines(self) -> list[str]:
-        return [f"{self.name}{_fmt_labels(k)} {_fmt_value(v)}" for k, v in sorted(self.values.items())]
-
-
-class Summary(_Metric):
-    kind = "summary"
-
-    def __init__(self, name: str, help_text: str) -> None:
-        super().__init__(name, help_text)
-        self.sums: dict[LabelKey, float] = {}
-        self.counts: dict[LabelKey, int] = {}
-
-    def observe(self, value: float, **labels: str) -> None:
-        k = _key(labels)
-        self.sums[k] = self.sums.get(k, 0.0) + value
-        self.counts[k] = self.counts.get(k, 0) + 1
-
-    def lines(self) -> list[str]:
-        out = []
-        for k in sorted(self.counts):
-            out.append(f"{self.name}_sum{_fmt_labels(k)} {_fmt_value(self.sums[k])}")
-            out.append(f"{self.name}_count{_fmt_labels(k)} {self.counts[k]}")
-        return out
-
+# RPC and reconcile latencies: a control call or a reconcile is milliseconds; a data call or a
+# slow remote runs to the call's deadline (tens of seconds).
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                   60.0, float("inf"))
 
 class Metrics:
-    """Every series the orchestrator exports."""
+    """Every series the orchestrator exports, on a registry of its own."""
 
-    def __init__(self) -> None:
-        self.reconciles = Counter("tidelog_reconciles_total", "Reconciles by entity kind and outcome.")
-        self.reconcile_seconds = Summary("tidelog_reconcile_seconds", "Time spent in one reconcile.")
-        self.rpc_calls = Counter("tidelog_rpc_calls_total", "Dispatched RPC attempts by method and outcome.")
-        self.rpc_seconds = Summary("tidelog_rpc_seconds", "Duration of dispatched RPC attempts.")
-        self.probes = Counter("tidelog_discovery_probes_total", "Participant status probes by result.")
-        self.commits = Gauge("tidelog_group_commits", "Write transactions committed by the group committer.")
-        self.writes = Gauge("tidelog_group_commit_writes", "Write submissions carried by those commits.")
-        self.queue_depth = Gauge("tidelog_queue_depth", "Keys waiting in the reconciler queue.")
-        self.leader = Gauge("tidelog_leader", "1 while this orchestrator holds the leader lease.")
-        self.epoch = Gauge("tidelog_lease_epoch", "Fencing epoch of the lease this orchestrator holds.")
-        self.entities = Gauge("tidelog_entities", "Journal rows by kind and state (read at scrape time).")
+    content_type = CONTENT_TYPE
 
-    def all(self) -> list[_Metric]:
-        return [self.reconciles, self.reconcile_seconds, self.rpc_calls, self.rpc_seconds, self.probes,
-                self.commits, self.writes, self.queue_depth, self.leader, self.epoch, self.entities]
+    def __init__(self, registry: CollectorRegistry | None = None, *, process: bool = True) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.reconciles = Counter("tidelog_reconciles", "Reconciles by entity kind and outcome.",
+                                  ["kind", "outcome"], registry=r)
+        self.reconcile_seconds = Histogram("tidelog_reconcile_seconds", "Time spent in one reconcile.",
+                                           ["kind"], buckets=LATENCY_BUCKETS, registry=r)
+        self.rpc_calls = Counter("tidelog_rpc_calls", "Dispatched RPC attempts by method and outcome.",
+                                 ["method", "outcome"], registry=r)
+        self.rpc_seconds = Histogram("tidelog_rpc_seconds", "Duration of dispatched RPC attempts.",
+                                     ["method"], buckets=LATENCY_BUCKETS, registry=r)
+        self.probes = Counter("tidelog_discovery_probes", "Participant status probes by result.",
+                              ["result"], registry=r)
+        self.commits = Gauge("tidelog_group_commits", "Write transactions committed by the group committer.",
+                             registry=r)
+        self.writes = Gauge("tidelog_group_commit_writes", "Write submissions carried by those commits.",
+                            registry=r)
+        self.queue_depth = Gauge("tidelog_queue_depth", "Keys waiting in the reconciler queue.", registry=r)
+        self.leader = Gauge("tidelog_leader", "1 while this orchestrator holds the leader lease.", registry=r)
+        self.epoch = Gauge("tidelog_lease_epoch", "Fencing epoch of the lease this orchestrator holds.",
+                           registry=r)
+        self.entities = Gauge("tidelog_entities", "Journal rows by kind and state (read at scrape time).",
+                              ["kind", "state"], registry=r)
+        if process:
+            ProcessCollector(registry=r)
+            PlatformCollector(registry=r)
+            GCCollector(registry=r)
 
-    def render(self) -> str:
-        out: list[str] = []
-        for m in self.all():
-            out += m.header()
-            out += m.lines()
-        return "\n".join(out) + "\n"
+    def set_entities(self, counts: dict[str, dict[str, int]]) -> None:
+        """Replace every ``tidelog_entities`` sample (no await inside: a scrape sees one snapshot)."""
+        self.entities.clear()
+        for kind, states in counts.items():
+            for state, n in states.items():
+                self.entities.labels(kind=kind, state=state).set(n)
+
+    def render(self) -> bytes:
+        """The standard Prometheus text exposition of this registry."""
+        return generate_latest(self.registry)

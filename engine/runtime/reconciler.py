@@ -264,5 +264,5 @@ class Reconciler:
             log.exception("reconcile of %s failed (attempt %d); retrying in %.1fs", key, n, delay)
             self.queue.add_after(key, delay)
         finally:
-            self._metrics.reconciles.inc(kind=kind, outcome=outcome)
-            self._metrics.reconcile_seconds.observe(time.perf_counter() - started, kind=kind)
+            self._metrics.reconciles.labels(kind=kind, outcome=outcome).inc()
+            self._metrics.reconcile_seconds.labels(kind=kind).observe(time.perf_counter() - started)

@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 import aiohttp
 import orjson
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, stop_after_delay, wait_exponential
 from yarl import URL
 
 Pool = Literal["control", "data"]
@@ -211,19 +212,15 @@ class RpcClient:
                 raise TransportError(target, method, path, f"{type(exc).__name__}: {exc}", sent=True) from None
             return self._decode(target, method, path, status, raw)
 
-        # Retries with exponential backoff, on transport errors only (see worth_retrying), within
-        # the call's deadline: a plain loop, since a control call is on the checkpoint's hot path.
-        limit = tries or self._tries
-        started = loop.time()
-        n = 0
-        while True:
-            n += 1
-            try:
-                return await attempt()
-            except RpcError as exc:
-                if n >= limit or not worth_retrying(exc) or loop.time() - started >= timeout_s:
-                    raise
-            await asyncio.sleep(min(self._backoff * 2 ** (n - 1), max(self._backoff, 2.0)))
+        # Retries with exponential backoff (``retry_backoff_s * 2**(n-1)``, capped at
+        # ``max(retry_backoff_s, 2s)``), on transport errors only (see worth_retrying), for at most
+        # ``tries`` attempts and not once ``timeout_s`` has passed since the first; the last error
+        # is raised as it is.
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(tries or self._tries) | stop_after_delay(timeout_s),
+            wait=wait_exponential(multiplier=self._backoff, exp_base=2, min=0, max=max(self._backoff, 2.0)),
+            retry=retry_if_exception(worth_retrying), sleep=asyncio.sleep, reraise=True)
+        return await retrying(attempt)
 
     @staticmethod
     def _decode(target: str, method: str, path: str, status: int, raw: bytes) -> Any:

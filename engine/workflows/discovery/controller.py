@@ -112,7 +112,7 @@ class DiscoveryController:
             outcome = classify(error=exc)
         else:
             outcome = classify(reply)
-        self.metrics.probes.inc(result=outcome.state)
+        self.metrics.probes.labels(result=outcome.state).inc()
         return outcome
 
     async def reconcile(self, ctx: Context, entity_id: str) -> Result:
