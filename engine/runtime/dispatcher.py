@@ -27,6 +27,15 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_exponential,
+)
+
 from journal import Fence, Journal, LeaseLost, StaleRow, Transition, outbox
 from journal.writes import Row
 
@@ -42,6 +51,11 @@ OnDone = Callable[[str, str], None]
 BODY_CACHE = 64
 #: Reads of a shared body before its call is given up as not sent.
 BODY_READ_TRIES = 4
+
+
+def _worth_recording_again(exc: BaseException) -> bool:
+    """A database error, not an answer (stale row, lost lease) nor a cancellation."""
+    return isinstance(exc, Exception) and not isinstance(exc, (StaleRow, LeaseLost, NotLeader))
 
 
 class Dispatcher:
@@ -206,19 +220,16 @@ class Dispatcher:
         return await asyncio.shield(reading)
 
     async def _read_body(self, body_id: str) -> bytes:
-        delay = 0.05
+        async def read() -> dict[str, bytes]:
+            async with self._journal.read() as conn:
+                return await outbox.read_bodies(conn, [body_id])
+
+        # A database hiccup must not cost the call its attempt (a prepare has only one): up to
+        # BODY_READ_TRIES reads, 0.05 s, 0.1 s, 0.2 s apart on the injectable clock; the last error is raised.
+        retrying = AsyncRetrying(stop=stop_after_attempt(BODY_READ_TRIES), wait=wait_exponential(multiplier=0.05),
+                                 retry=retry_if_exception_type(Exception), sleep=self._clock.sleep, reraise=True)
         try:
-            for attempt in range(1, BODY_READ_TRIES + 1):
-                try:
-                    async with self._journal.read() as conn:
-                        found = await outbox.read_bodies(conn, [body_id])
-                    break
-                except Exception:
-                    # A database hiccup must not cost the call its attempt (a prepare has only one).
-                    if attempt == BODY_READ_TRIES:
-                        raise
-                    await self._clock.sleep(delay)
-                    delay *= 2
+            found: dict[str, bytes] = await retrying(read)
         finally:
             self._reading.pop(body_id, None)
         if body_id not in found:
@@ -279,24 +290,23 @@ class Dispatcher:
 
     async def _record(self, op: Transition, row: Row, *, tries: int = 5) -> None:
         """Record an outcome (one compare-and-set, group-committed with other outcomes)."""
-        delay = 0.1
-        for attempt in range(1, tries + 1):
-            try:
-                await self._committer.apply(op)
-                return
-            except StaleRow as exc:
-                # Another orchestrator (after a take-over) settled this intent first.
-                log.warning("outcome of rpc %s not recorded: %s", row.id[:12], exc)
-                return
-            except (LeaseLost, NotLeader) as exc:
-                # Fenced: the intent stays inflight and the next leader's recovery settles it.
-                log.warning("outcome of rpc %s not recorded, lease lost: %s", row.id[:12], exc)
-                return
-            except Exception:
-                if attempt == tries:
-                    # Left inflight: the next election's recovery settles it (re-send if repeatable).
-                    log.exception("outcome of rpc %s not recorded after %d tries", row.id[:12], tries)
-                    return
-                log.warning("recording the outcome of rpc %s failed; retrying", row.id[:12], exc_info=True)
-                await self._clock.sleep(delay)
-                delay *= 2
+        def log_retry(state: RetryCallState) -> None:
+            exc = state.outcome.exception() if state.outcome is not None else None
+            log.warning("recording the outcome of rpc %s failed; retrying", row.id[:12], exc_info=exc)
+
+        # A database error is retried (0.1 s, 0.2 s, ... apart on the injectable clock, ``tries`` in
+        # all); a stale row or a lost lease is an answer, not an error, and is never retried.
+        retrying = AsyncRetrying(stop=stop_after_attempt(tries), wait=wait_exponential(multiplier=0.1),
+                                 retry=retry_if_exception(_worth_recording_again), before_sleep=log_retry,
+                                 sleep=self._clock.sleep, reraise=True)
+        try:
+            await retrying(self._committer.apply, op)
+        except StaleRow as exc:
+            # Another orchestrator (after a take-over) settled this intent first.
+            log.warning("outcome of rpc %s not recorded: %s", row.id[:12], exc)
+        except (LeaseLost, NotLeader) as exc:
+            # Fenced: the intent stays inflight and the next leader's recovery settles it.
+            log.warning("outcome of rpc %s not recorded, lease lost: %s", row.id[:12], exc)
+        except Exception:
+            # Left inflight: the next election's recovery settles it (re-send if repeatable).
+            log.exception("outcome of rpc %s not recorded after %d tries", row.id[:12], tries)
