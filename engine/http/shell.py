@@ -140,9 +140,11 @@ async def read_body(request: web.Request, model: type[B]) -> B:
         raise validation_error(exc) from None
 
 
-def new_id(prefix: str) -> str:
-    """``<prefix>-<UTC time>-<4 hex>``: sorts by time, and two in one second still differ."""
-    return f"{prefix}-{datetime.now(timezone.utc).strftime('%Y%m%dT%H%M%SZ')}-{secrets.token_hex(2)}"
+def new_id(prefix: str, now: datetime) -> str:
+    """``<prefix>-<now in UTC>-<4 hex>``: sorts by time, and two in one second still differ.
+
+    ``now`` is the caller's clock (``orch.clock.now()``), timezone-aware."""
+    return f"{prefix}-{now.astimezone(timezone.utc).strftime('%Y%m%dT%H%M%SZ')}-{secrets.token_hex(2)}"
 
 
 def iso(value: Any) -> Any:

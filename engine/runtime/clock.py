@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import time as _time
 from datetime import datetime, timedelta, timezone
 from typing import Protocol
 
@@ -17,6 +18,9 @@ from typing import Protocol
 class Clock(Protocol):
     def now(self) -> datetime:
         """Timezone-aware UTC now."""
+
+    def time(self) -> float:
+        """Unix seconds (what deadlines written to rows and sent to participants are in)."""
 
     def monotonic(self) -> float:
         """Seconds on a clock that never goes backwards."""
@@ -28,6 +32,9 @@ class Clock(Protocol):
 class SystemClock:
     def now(self) -> datetime:
         return datetime.now(timezone.utc)
+
+    def time(self) -> float:
+        return _time.time()
 
     def monotonic(self) -> float:
         return asyncio.get_running_loop().time()
@@ -47,6 +54,10 @@ class VirtualClock:
 
     def now(self) -> datetime:
         return self._start + timedelta(seconds=self._t)
+
+    def time(self) -> float:
+        """The start's Unix timestamp plus the offset: moves only on :meth:`advance`."""
+        return self._start.timestamp() + self._t
 
     def monotonic(self) -> float:
         return self._t

@@ -21,7 +21,6 @@ refusal is a typed error naming the field, the value and the rule, and writes no
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Annotated, Any
@@ -190,7 +189,7 @@ def add_workflow_routes(app: web.Application, orch: Orchestrator, mutating: Call
     async def checkpoints_start(request: web.Request) -> web.Response:
         body = await read_body(request, StartCheckpoint)
         controlled("checkpoints")
-        cid = body.checkpoint_id or new_id("ck")
+        cid = body.checkpoint_id or new_id("ck", orch.clock.now())
         directory = directory_of(body.directory)
         p = models.participants
 
@@ -235,7 +234,7 @@ def add_workflow_routes(app: web.Application, orch: Orchestrator, mutating: Call
             # As the controller aborts: everyone is resumed, under a fresh resume deadline.
             await tx.transition("checkpoints", cid, from_state=row.state, version=row.version, to_state="aborting",
                                 reason=detail, changes={"detail": detail, "timings": timings,
-                                                        "deadline_ts": time.time() + resume_s})
+                                                        "deadline_ts": orch.clock.time() + resume_s})
             return row.state
         for _ in range(5):
             try:
@@ -278,7 +277,7 @@ def add_workflow_routes(app: web.Application, orch: Orchestrator, mutating: Call
                                                        "checkpoint.json differ from what the journal recorded at "
                                                        "publication; nothing was restored", "checkpoint_id")
         scope = list(manifest["scope"])
-        rid = new_id("rs")
+        rid = new_id("rs", orch.clock.now())
 
         async def write(tx: WriteTx) -> None:
             await open_workflows(tx)
@@ -316,7 +315,7 @@ def add_workflow_routes(app: web.Application, orch: Orchestrator, mutating: Call
                 await read_body(request, Forget)
                 attempt, episode = None, rollout_episode(request.match_info["id"])
             controlled("retirements")
-            rid = new_id("rt" if op == "retire" else "fg")
+            rid = new_id("rt" if op == "retire" else "fg", orch.clock.now())
 
             async def write(tx: WriteTx) -> None:
                 if op == "retire":

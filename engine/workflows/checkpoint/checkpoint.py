@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +53,7 @@ from journal.writes import Row
 from workers.protocol import EpisodeId
 
 from engine.workflows.checkpoint import confined
+from engine.runtime.clock import Clock, SystemClock
 from engine.runtime.reconciler import Context, Result
 from engine.workflows.checkpoint.fanout import control_intent, describe_error, read_calls, timings
 from engine.workflows.checkpoint.open_calls import SETTLED, OpenCalls
@@ -152,12 +152,15 @@ class CheckpointController:
         self._members_at: dict[str, tuple[int, list[Row]]] = {}
         # Checkpoint id -> failed publish tries so far (transient errors only; bounded by the deadline).
         self._publish_tries: dict[str, int] = {}
+        # The clock of the reconciler this controller runs under (its context's; :meth:`waiting`
+        # has no context, and a step is tracked only by a reconcile, which sets this first).
+        self._clock: Clock = SystemClock()
 
     def waiting(self, checkpoint_id: str) -> bool:
         """Whether a completed call of this checkpoint can be ignored: other calls of its step are
         still open (as far as this process's commits tell) and its deadline has not passed. The
         reconciler then skips the wake-up; the last call to settle wakes it."""
-        return self._open.waiting_until(checkpoint_id, None, time.time(), CALL_MARGIN_S) is not None
+        return self._open.waiting_until(checkpoint_id, None, self._clock.time(), CALL_MARGIN_S) is not None
 
     def on_commit(self, committed: Sequence[Committed]) -> None:
         """Journal commit listener (the orchestrator adds it): see :class:`OpenCalls`."""
@@ -180,15 +183,16 @@ class CheckpointController:
         return [Row(MEMBERS, r[at["id"]], r[at["state"]], r[at["version"]], {n: r[i] for i, n in rest})
                 for r in rows]
 
-    def _plan(self, row: Row, members: list[Row]) -> _Step | None:
-        """The calls the checkpoint makes in its state (and stage), or ``None`` where it makes none."""
+    def _plan(self, row: Row, members: list[Row], now: float) -> _Step | None:
+        """The calls the checkpoint makes in its state (and stage), or ``None`` where it makes none
+        (``now``: the clock's Unix time, for a deadline the row does not hold yet)."""
         if row.state == "preparing" and row["deadline_ts"] is not None:
             current = [m for m in members if m["stage"] == row["stage"]]
             deadline = float(row["deadline_ts"])
             return _Step("prepare", current, {"checkpoint_id": row.id, "deadline_ts": deadline}, deadline,
                          ("pending",), "preparing") if current else None
         if row.state == "committing":
-            deadline = self._deadline(row, self.settings.commit_timeout_s)
+            deadline = self._deadline(row, self.settings.commit_timeout_s, now)
             body: dict[str, Any] = {"checkpoint_id": row.id, "deadline_ts": deadline,
                                     "checkpoint_dir": str(Path(row["checkpoint_dir"]) / row.id)}
             if row["scope"] is None:
@@ -204,17 +208,17 @@ class CheckpointController:
             if not pending:
                 return None
             stage = max(m["stage"] for m in pending)
-            deadline = self._deadline(row, self.settings.resume_timeout_s)
+            deadline = self._deadline(row, self.settings.resume_timeout_s, now)
             return _Step("resume", [m for m in pending if m["stage"] == stage],
                          {"checkpoint_id": row.id, "deadline_ts": deadline}, deadline, _RESUMABLE, "resuming")
         return None
 
-    def _intents(self, row: Row, step: _Step) -> dict[str, outbox.Intent]:
+    def _intents(self, row: Row, step: _Step, now: float) -> dict[str, outbox.Intent]:
         """Member id -> the step's call, one shared body for all (the same bytes to every member)."""
         # Prepare and commit are bounded by their phase's deadline: a call that fails is not sent
         # again past it (the checkpoint aborts and a retry runs under a new id). A resume is
         # retried a little; beyond that the participant's lease resumes it.
-        timeout = max(step.deadline - time.time(), 0.0) + CALL_MARGIN_S
+        timeout = max(step.deadline - now, 0.0) + CALL_MARGIN_S
         shared = outbox.Body.of(step.body)
         return {m.id: control_intent(row, m["url"], step.op, shared, timeout,
                                      max_attempts=3 if step.op == "resume" else 1) for m in step.members}
@@ -229,11 +233,11 @@ class CheckpointController:
         """
         known = known or {}
         after, moved = _project(row, members, ops)
-        step = self._plan(after, moved)
+        step = self._plan(after, moved, ctx.clock.time())
         missing: list[tuple[outbox.Intent, str]] = []
         moves: list[Row] = []
         if step is not None:
-            intents = self._intents(after, step)
+            intents = self._intents(after, step, ctx.clock.time())
             missing = [(intents[m.id], f"{step.op} {m['participant']} for {row.id}") for m in step.members
                        if intents[m.id].id not in known]
             # Before the commit, so that on_commit sees every one of these calls settle.
@@ -262,7 +266,7 @@ class CheckpointController:
     async def _settled(self, ctx: Context, row: Row, members: list[Row], step: _Step) -> dict[str, Row] | None:
         """Member id -> call (state, result, error) once every call of ``step`` settled; else ``None``
         (a completed call wakes the checkpoint again). Calls found missing are written now."""
-        intents = self._intents(row, step)
+        intents = self._intents(row, step, ctx.clock.time())
         ids = [i.id for i in intents.values()]
         # Tracked before the read: a call that settles during it is seen by on_commit.
         self._open.track(row.id, row.version, step.deadline, ids)
@@ -278,26 +282,28 @@ class CheckpointController:
             return None
         return {mid: calls[i.id] for mid, i in intents.items()}
 
-    def _deadline(self, row: Row, seconds: float) -> float:
-        return float(row["deadline_ts"]) if row["deadline_ts"] is not None else time.time() + seconds
+    @staticmethod
+    def _deadline(row: Row, seconds: float, now: float) -> float:
+        return float(row["deadline_ts"]) if row["deadline_ts"] is not None else now + seconds
 
     @staticmethod
-    def _wait(deadline: float) -> Result:
+    def _wait(ctx: Context, deadline: float) -> Result:
         """Look again once every open call must have settled (a completed call wakes it sooner)."""
-        return Result(requeue_after=max(deadline - time.time(), 0.0) + CALL_MARGIN_S + 1.0)
+        return Result(requeue_after=max(deadline - ctx.clock.time(), 0.0) + CALL_MARGIN_S + 1.0)
 
     # -- the machine ----------------------------------------------------------------------------
 
     async def reconcile(self, ctx: Context, entity_id: str) -> Result:
+        self._clock = ctx.clock
         row = await ctx.get(KIND, entity_id)
         if row is None or row.state in ("done", "aborted", "failed"):
             self._open.forget(entity_id)
             self._members_at.pop(entity_id, None)
             self._publish_tries.pop(entity_id, None)
             return Result()
-        deadline = self._open.waiting_until(entity_id, row.version, time.time(), CALL_MARGIN_S)
+        deadline = self._open.waiting_until(entity_id, row.version, ctx.clock.time(), CALL_MARGIN_S)
         if deadline is not None:
-            return self._wait(deadline)
+            return self._wait(ctx, deadline)
         if row.state == "committed":
             return await self._publish(ctx, row)
         known = self._members_at.get(entity_id)
@@ -320,7 +326,7 @@ class CheckpointController:
               **changes: Any) -> Transition:
         """The checkpoint's own transition (its timings updated; a fresh deadline if given)."""
         if deadline is not None:
-            changes["deadline_ts"] = time.time() + deadline
+            changes["deadline_ts"] = ctx.clock.time() + deadline
         changes["timings"] = timings(ctx, row)
         return Transition(KIND, row.id, row.state, row.version, to_state, reason, changes)
 
@@ -340,15 +346,15 @@ class CheckpointController:
                     return waiting
             await self._write(ctx, row, members, [Transition(
                 KIND, row.id, "preparing", row.version, "preparing", "stage 0 starts",
-                {"deadline_ts": time.time() + self.settings.prepare_timeout_s})])
+                {"deadline_ts": ctx.clock.time() + self.settings.prepare_timeout_s})])
             return Result()
         stage = row["stage"]
-        step = self._plan(row, members)
+        step = self._plan(row, members, ctx.clock.time())
         ops: list[Transition] = []
         if step is not None:
             calls = await self._settled(ctx, row, members, step)
             if calls is None:
-                return self._wait(step.deadline)
+                return self._wait(ctx, step.deadline)
             ops, why, blockers = self._prepare_outcomes(step.members, calls)
             if why:
                 await self._write(ctx, row, members, [
@@ -357,7 +363,7 @@ class CheckpointController:
         if stage + 1 < len(STAGES):
             ops.append(Transition(KIND, row.id, "preparing", row.version, "preparing",
                                   f"stage {STAGES[stage + 1]} starts",
-                                  {"stage": stage + 1, "deadline_ts": time.time() + self.settings.prepare_timeout_s}))
+                                  {"stage": stage + 1, "deadline_ts": ctx.clock.time() + self.settings.prepare_timeout_s}))
         else:
             prepared = self._move(ctx, row, "prepared", "every stage prepared")
             ops += [prepared, self._move(ctx, _after(row, prepared), "committing", "prepared everywhere",
@@ -399,11 +405,11 @@ class CheckpointController:
         return ops, "; ".join(failures), blockers
 
     async def _committing(self, ctx: Context, row: Row, members: list[Row]) -> Result:
-        step = self._plan(row, members)
+        step = self._plan(row, members, ctx.clock.time())
         assert step is not None
         calls = await self._settled(ctx, row, members, step)
         if calls is None:
-            return self._wait(step.deadline)
+            return self._wait(ctx, step.deadline)
         ops, failed = self._commit_outcomes(step.members, calls)
         if failed:
             await self._write(ctx, row, members, [*ops, self._abort(ctx, row, failed)])
@@ -455,10 +461,10 @@ class CheckpointController:
                                                    "episode_ids": m["episode_ids"]} for m in members}}
         path = root / row.id / "checkpoint.json"
         work = Publication(path, json.dumps(manifest, indent=1, sort_keys=True).encode(), root / "LATEST", row.id)
-        deadline = self._deadline(row, self.settings.commit_timeout_s)
+        deadline = self._deadline(row, self.settings.commit_timeout_s, ctx.clock.time())
         try:
             # On the checkpoint file pool, never the default executor (a hung write ties up only that pool).
-            await confined.run(work.run, timeout=max(deadline - time.time(), PUBLISH_MIN_S))
+            await confined.run(work.run, timeout=max(deadline - ctx.clock.time(), PUBLISH_MIN_S))
         except PublishFailed as failure:
             return await self._publish_failed(ctx, row, members, deadline, failure)
         except TimeoutError:
@@ -476,7 +482,7 @@ class CheckpointController:
                               failure: PublishFailed) -> Result:
         """Try a transient failure again while tries and the deadline allow; otherwise abort."""
         tries = self._publish_tries.get(row.id, 0) + 1
-        if failure.transient and tries < PUBLISH_TRIES and time.time() + PUBLISH_RETRY_S < deadline:
+        if failure.transient and tries < PUBLISH_TRIES and ctx.clock.time() + PUBLISH_RETRY_S < deadline:
             self._publish_tries[row.id] = tries
             log.warning("checkpoint %s: publish try %d of %d failed, trying again in %.1fs: %s",
                         row.id, tries, PUBLISH_TRIES, PUBLISH_RETRY_S, failure.describe())
@@ -490,13 +496,13 @@ class CheckpointController:
     async def _resuming(self, ctx: Context, row: Row, members: list[Row]) -> Result:
         """Resume members in reverse stage order; every member ends ``resumed``."""
         final = "done" if row.state == "resuming" else "aborted"
-        step = self._plan(row, members)
+        step = self._plan(row, members, ctx.clock.time())
         if step is None:
             await self._finish(ctx, row, members, final)
             return Result()
         calls = await self._settled(ctx, row, members, step)
         if calls is None:
-            return self._wait(step.deadline)
+            return self._wait(ctx, step.deadline)
         ops = [Transition(MEMBERS, m.id, "resuming", m.version, "resumed", "resume answered",
                           {"detail": None if calls[m.id].state == "succeeded" else
                            f"resume failed ({describe_error(calls[m.id])}); its lease resumes it"})

@@ -13,7 +13,6 @@ their states), and :func:`read_calls` (state, reply, error) only once they can b
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -105,7 +104,7 @@ def describe_error(call: Row) -> str:
 async def fan_out(ctx: Context, owner: Row, members: Sequence[Member], op: str, body: Mapping[str, Any],
                   deadline_ts: float) -> FanOut:
     """Ensure one ``op`` call per member (only the missing ones are written) and report where they stand."""
-    timeout = max(deadline_ts - time.time(), 0.0) + 5.0
+    timeout = max(deadline_ts - ctx.clock.time(), 0.0) + 5.0
     shared = outbox.Body.of(body)
     intents = {m.name: control_intent(owner, m.url, op, shared, timeout) for m in members}
     states = await call_states(ctx, (i.id for i in intents.values()))

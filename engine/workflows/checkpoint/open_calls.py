@@ -32,7 +32,7 @@ class _Step:
 
 class OpenCalls:
     """Per owner id: the owner's version that wrote its current step, the step's deadline
-    (``time.time()`` seconds) and the ids of the step's calls not yet seen settled."""
+    (Unix seconds, as ``Clock.time()`` reads them) and the ids of the step's calls not yet seen settled."""
 
     def __init__(self) -> None:
         self._steps: dict[str, _Step] = {}

@@ -35,7 +35,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -216,27 +215,27 @@ class RestoreController:
         members = await self._members(ctx, row)
         if not members:
             rows = await participant_rows(ctx)
-            if any(r.state == "pending" for r in rows) and time.time() < deadline:
+            if any(r.state == "pending" for r in rows) and ctx.clock.time() < deadline:
                 return Result(requeue_after=0.5)  # discovery has not probed every participant yet
             members = healthy(rows)
             if not members:
                 detail = "restore failed: no healthy participant to restore into"
                 await self._move(ctx, row, "rolling_back", detail, detail=detail,
-                                 deadline_ts=time.time() + self.settings.resume_timeout_s)
+                                 deadline_ts=ctx.clock.time() + self.settings.resume_timeout_s)
                 return Result()
         directory = str(Path(row["checkpoint_dir"]) / row["checkpoint_id"])
         body = {"checkpoint_id": row["checkpoint_id"], "deadline_ts": deadline, "checkpoint_dir": directory,
                 "episode_ids": _episodes(row)}
         outcome = await fan_out(ctx, row, members, "restore", body, deadline)
         if outcome.open:
-            return Result(requeue_after=max(deadline - time.time(), 0.0) + 6.0)
+            return Result(requeue_after=max(deadline - ctx.clock.time(), 0.0) + 6.0)
         if outcome.failures:
             detail = f"restore failed on {len(outcome.failures)} participant(s): " + "; ".join(outcome.failures)
-            cleanup = max(deadline, time.time() + self.settings.resume_timeout_s)
+            cleanup = max(deadline, ctx.clock.time() + self.settings.resume_timeout_s)
             await self._move(ctx, row, "rolling_back", detail, detail=detail, deadline_ts=cleanup)
             return Result()
         await self._move(ctx, row, "resuming", f"restored on {len(members)} participant(s)",
-                         deadline_ts=time.time() + self.settings.resume_timeout_s)
+                         deadline_ts=ctx.clock.time() + self.settings.resume_timeout_s)
         return Result()
 
     async def _finishing(self, ctx: Context, row: Row) -> Result:
@@ -258,7 +257,7 @@ class RestoreController:
                 continue
             outcome = await fan_out(ctx, row, group, op, body, deadline)
             if outcome.open:
-                return Result(requeue_after=max(deadline - time.time(), 0.0) + 6.0)
+                return Result(requeue_after=max(deadline - ctx.clock.time(), 0.0) + 6.0)
             cleanup += [f"{op} {f}" for f in outcome.failures]
         if rollback:
             detail = row["detail"] or "restore failed"

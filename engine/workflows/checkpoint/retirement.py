@@ -31,7 +31,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -211,7 +210,7 @@ class RetirementController:
         rows = await participant_rows(ctx)
         # The stage's members are fixed by its first look: whoever already has a call, else the healthy.
         known = [Member(r.id, r["kind"], r["url"]) for r in rows if r["kind"] in kinds]
-        timeout = max(deadline - time.time(), 0.0) + 5.0
+        timeout = max(deadline - ctx.clock.time(), 0.0) + 5.0
         shared = outbox.Body.of(body)
         ids = {m.name: control_intent(row, m.url, row["op"], shared, timeout).id for m in known}
         calls = await read_calls(ctx, ids.values())
