@@ -3,8 +3,8 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 CONFIG ?= config.example.yaml
-# Test workers: most tests wait on processes and sockets, so more workers than cores pays off.
-PYTEST_WORKERS ?= 4
+# Test workers: one per core (the crash-point suites time their episodes; more workers starve them).
+PYTEST_WORKERS ?= 2
 
 .PHONY: run serve test typecheck bench clean
 

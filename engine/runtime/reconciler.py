@@ -22,7 +22,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import sqlalchemy as sa
 
@@ -50,11 +50,9 @@ class Result:
 class Context:
     """What a controller may use: the journal (reads), fenced group-committed writes, the clock."""
 
-    def __init__(self, journal: Journal, committer: GroupCommitter, clock: Clock,
-                 services: dict[str, Any]) -> None:
+    def __init__(self, journal: Journal, committer: GroupCommitter, clock: Clock) -> None:
         self.journal = journal
         self.clock = clock
-        self.services = services
         self._committer = committer
         self._reader = GroupReader(journal)
         self._sender: Callable[[Sequence[Row]], None] | None = None
@@ -104,13 +102,13 @@ class Reconciler:
 
     def __init__(self, journal: Journal, committer: GroupCommitter, clock: Clock, *,
                  concurrency: int = 16, resync_interval_s: float = 30.0,
-                 metrics: Metrics | None = None, services: dict[str, Any] | None = None,
+                 metrics: Metrics | None = None,
                  error_backoff_s: tuple[float, float] = (0.5, 60.0)) -> None:
         self.journal = journal
         self.clock = clock
         self.queue = WorkQueue(clock)
         self.controllers: dict[str, Controller] = {}
-        self.ctx = Context(journal, committer, clock, services or {})
+        self.ctx = Context(journal, committer, clock)
         self._concurrency = concurrency
         self._resync_interval_s = resync_interval_s
         self._metrics = metrics or Metrics()
@@ -131,10 +129,6 @@ class Reconciler:
     def enqueue(self, kind: str, entity_id: str) -> None:
         if kind in self.controllers:
             self.queue.add(key_of(kind, entity_id))
-
-    def enqueue_after(self, kind: str, entity_id: str, delay_s: float) -> None:
-        if kind in self.controllers:
-            self.queue.add_after(key_of(kind, entity_id), delay_s)
 
     def call_done(self, kind: str, entity_id: str) -> None:
         """The dispatcher finished a call owned by ``kind``/``entity_id``: look at it again, unless

@@ -63,7 +63,7 @@ class Orchestrator:
         self.reconciler = Reconciler(self.journal, self.committer, self.clock,
                                      concurrency=settings.reconciler.concurrency,
                                      resync_interval_s=settings.reconciler.resync_interval_s,
-                                     metrics=self.metrics, services={"rpc": self.rpc})
+                                     metrics=self.metrics)
         d = settings.dispatcher
         self.dispatcher = Dispatcher(self.journal, self.committer, self.rpc, self.clock, self.leader.fence,
                                      self.reconciler.call_done, concurrency=d.concurrency, batch=d.batch,

@@ -308,14 +308,6 @@ class CheckpointController:
             return await self._publish(ctx, row)
         known = self._members_at.get(entity_id)
         members = known[1] if known is not None and known[0] == row.version else await self._members(ctx, entity_id)
-        if row.state == "prepared":  # only left here by an engine older than this one
-            await self._write(ctx, row, members, [self._move(ctx, row, "committing", "prepared everywhere",
-                                                             deadline=self.settings.commit_timeout_s)])
-            return Result()
-        if row.state == "published":  # likewise
-            await self._write(ctx, row, members, [self._move(ctx, row, "resuming", "published",
-                                                             deadline=self.settings.resume_timeout_s)])
-            return Result()
         if row.state == "preparing":
             return await self._preparing(ctx, row, members)
         if row.state == "committing":

@@ -259,7 +259,7 @@ def move_and_probe(entity_id: str, probe: Journal) -> Callable[[WriteTx], Any]:
 
 async def test_context_apply_and_get_go_through_the_committer_and_the_group_reader(
         gj: Journal, committer: GroupCommitter) -> None:
-    ctx = Context(gj, committer, VirtualClock(), {})
+    ctx = Context(gj, committer, VirtualClock())
     out = await asyncio.gather(ctx.apply(T("s00", "new", 1, "on", label="x")), ctx.apply(T("s01", "new", 9, "on")),
                                return_exceptions=True)
     assert out[0] == [Committed(G, "s00", "new", "on", 2)] and isinstance(out[1], StaleRow)

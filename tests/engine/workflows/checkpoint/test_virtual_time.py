@@ -43,7 +43,7 @@ async def ctx(make_journal: Callable[..., Journal]) -> AsyncIterator[Context]:
     fence = held.fence()
     committer = GroupCommitter(journal, lambda: fence)
     try:
-        yield Context(journal, committer, clock, {})
+        yield Context(journal, committer, clock)
     finally:
         await committer.close()
 

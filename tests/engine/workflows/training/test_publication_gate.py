@@ -50,7 +50,7 @@ class Rig:
             (engines, PublicationSettings("dep", str(tmp_path / "weights"), retry_after_s=0)))
         journal.add_commit_listener(self.controller.on_commit)
         self.committer = GroupCommitter(journal, lambda: fence)
-        self.ctx = Context(journal, self.committer, SystemClock(), {})
+        self.ctx = Context(journal, self.committer, SystemClock())
 
     async def submit(self, salt: int) -> str:
         async with self.journal.write() as tx:
