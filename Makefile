@@ -33,7 +33,7 @@ serve: $(VENV)/.installed-run
 
 test: $(VENV)/.installed-test
 	$(PY) -m mypy
-	$(PY) -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --maxschedchunk 2 $(PYTEST_ARGS)
 
 bench: $(VENV)/.installed-test
 	$(PY) -m pip install --quiet -e '.[test,bench]'

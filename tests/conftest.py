@@ -131,3 +131,25 @@ def clock() -> FakeClock:
 @pytest.fixture
 def journal(make_journal: Callable[..., Journal]) -> Journal:
     return make_journal()
+
+
+#: The drills that take minutes each, longest first, in an order that splits them between two
+#: workers (pytest-xdist hands each worker two tests at a time, `--maxschedchunk 2` in the
+#: Makefile): they start at once, and the short tests fill in beside them instead of leaving one
+#: worker alone with a ten-minute drill at the end. Serial order is unaffected but for this.
+LONGEST_FIRST = (
+    "tests/engine/workflows/training/test_crash_points.py::test_every_orchestrator_crash_point_recovers[sqlite]",
+    "tests/engine/workflows/checkpoint/test_checkpoint_crash_points.py::test_every_checkpoint_crash_point_recovers[sqlite]",
+    "tests/engine/workflows/training/test_crash_points.py::test_every_orchestrator_crash_point_recovers[postgresql]",
+    "tests/engine/demos/test_demo_training.py::test_the_rl_demo_learns_through_crashes_applying_every_step_once[postgresql]",
+    "tests/engine/workflows/training/test_crash_points.py::"
+    "test_a_trainer_killed_at_each_point_is_replaced_and_nothing_trains_twice[sqlite]",
+    "tests/engine/demos/test_demo_training.py::test_the_rl_demo_learns_through_crashes_applying_every_step_once[sqlite]",
+    "tests/engine/runtime/test_crash_recovery.py::test_every_crash_point_recovers[postgresql]",
+    "tests/engine/runtime/test_crash_recovery.py::test_every_crash_point_recovers[sqlite]",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {nodeid: i for i, nodeid in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid, len(rank)))  # stable: the rest keep their order
