@@ -8,6 +8,7 @@ printed: it is a ``SecretStr`` everywhere.
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import socket
@@ -17,10 +18,13 @@ from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from journal import JournalURL, UnsupportedJournalURL
+
+from engine.runtime import workflow
 
 TOKEN_ENV = "TIDELOG_CONTROL_TOKEN"
 CONFIG_ENV = "TIDELOG_CONFIG"
@@ -234,7 +238,17 @@ class LoggingSettings(_Strict):
         return v.upper()
 
 
+#: An importable module path (``package.module``): what ``workflows:`` lists.
+_MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
 class Settings(_Strict):
+    """The whole configuration. Besides the keys below, a top-level key may be the settings section
+    of a registered workflow (:mod:`engine.runtime.workflow`): it is validated by that workflow's
+    model and read back with :meth:`section`; any other key is refused."""
+
+    #: Modules to import before the rest is read, each registering its workflow (``load`` imports them).
+    workflows: list[str] = Field(default_factory=list, max_length=64)
     journal: JournalSettings = JournalSettings()
     orchestrator: OrchestratorSettings = OrchestratorSettings()
     api: ApiSettings = ApiSettings()
@@ -247,6 +261,56 @@ class Settings(_Strict):
     participants: list[ParticipantEntry] = Field(default_factory=list)
     training: TrainingWorkflowSettings = TrainingWorkflowSettings()
     logging: LoggingSettings = LoggingSettings()
+    #: Registered workflows' own sections, validated (filled from their keys; not a key itself).
+    sections: dict[str, Any] = Field(default_factory=dict, exclude=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _workflow_sections(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        if "sections" in data:
+            raise PydanticCustomError("sections", "'sections' is not a configuration key")
+        declared = workflow.sections()
+        own = {k: v for k, v in data.items() if k in cls.model_fields}
+        parsed: dict[str, Any] = {}
+        for key, value in data.items():
+            if key in own:
+                continue
+            model = declared.get(key)
+            if model is None:
+                # Left in place: the strict model refuses it, naming the key.
+                own[key] = value
+                continue
+            try:
+                parsed[key] = model.model_validate(value if value is not None else {})
+            except ValidationError as exc:
+                # Named like the built-in sections' errors: ``key.field: rule (got value)``.
+                lines = "; ".join(f"{'.'.join(str(p) for p in (key, *e['loc']))}: {e['msg']}"
+                                  + ("" if isinstance(e.get("input"), dict | list) else f" (got {e.get('input')!r})")
+                                  for e in exc.errors())
+                raise PydanticCustomError("workflow_section", "{detail}", {"detail": lines}) from None
+        for key, model in declared.items():
+            parsed.setdefault(key, model())
+        return {**own, "sections": parsed}
+
+    @field_validator("workflows")
+    @classmethod
+    def _modules(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if not _MODULE.match(name):
+                raise ValueError(f"{name!r} is not a module path (package.module)")
+        return v
+
+    def section(self, name: str) -> Any:
+        """A workflow's settings section: a field of this class for the built-in families, else
+        the section a registered workflow declared (its defaults when the file has none)."""
+        if name in type(self).model_fields and name != "sections":
+            return getattr(self, name)
+        try:
+            return self.sections[name]
+        except KeyError:
+            raise KeyError(f"no settings section {name!r}: no registered workflow declares it") from None
 
     @field_validator("participants")
     @classmethod
@@ -273,6 +337,20 @@ def _format(exc: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
+def import_workflows(modules: Any, source: str) -> None:
+    """Import each module ``workflows:`` names (each registers its workflow), before validation, so
+    that their settings sections are known; a module that cannot be imported is a ``ConfigError``."""
+    if not isinstance(modules, list):
+        return  # the model refuses a value that is not a list, naming the key
+    for name in modules:
+        if not isinstance(name, str) or not _MODULE.match(name):
+            continue  # refused by the model, naming the value
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001 - any failure to import is the config's problem
+            raise ConfigError(f"{source}: workflows: cannot import {name!r}: {type(exc).__name__}: {exc}") from None
+
+
 def load(path: str | os.PathLike[str] | None) -> Settings:
     """Load and validate a config file (``None``: ``TIDELOG_CONFIG`` or the defaults)."""
     if path is None:
@@ -292,6 +370,7 @@ def load(path: str | os.PathLike[str] | None) -> Settings:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: the top level must be a mapping, got {type(data).__name__}")
+    import_workflows(data.get("workflows"), str(p))
     try:
         return Settings.model_validate(data)
     except ValidationError as exc:

@@ -1,6 +1,7 @@
-"""``tidelog`` command line: serve, migrate, status, events, verify, replay, the workflows
-(checkpoint, restore, retire, forget), and training (jobs, publications, engines: see
-:mod:`engine.workflows.training.cli`).
+"""``tidelog`` command line: serve, migrate, status, events, verify, replay, the demos, and every
+registered workflow's commands (``Workflow.commands``): the checkpoint family's checkpoint, restore,
+retire and forget (:mod:`engine.workflows.checkpoint.cli`), training's jobs, publications and
+engines (:mod:`engine.workflows.training.cli`).
 
 Every subcommand reads the same config (``--config PATH``, else
 ``TIDELOG_CONFIG``, else the defaults). Secrets are never taken from the
@@ -30,19 +31,21 @@ from sqlalchemy.exc import ArgumentError, DBAPIError
 
 from journal import Journal, JournalError, JournalURL, UnsupportedJournalURL, audit, lease, schema
 
-from engine.runtime import logs
-from engine.workflows.training.cli import HANDLERS as TRAINING_HANDLERS, add_training_commands
+import engine.workflows  # noqa: F401 - registers the built-in families (and their commands)
+from engine.runtime import logs, workflow
+from engine.runtime.workflow import Command
 from engine.runtime.clock import SystemClock
 from engine.config import ConfigError, Settings, load
 from engine.demos.arguments import checkpoint_demo_arguments, training_demo_arguments
 from engine.runtime.leader import LEASE_NAME
-from engine.cli.progress import ApiFailure, Client, Display, api_url, watch
+from engine.cli.progress import ApiFailure
 from engine.runtime.service import open_journal
 
 log = logging.getLogger("tidelog.cli")
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser() -> tuple[argparse.ArgumentParser, dict[str, Command]]:
+    """The ``tidelog`` parser: the journal commands, every registered workflow's, the demos."""
     p = argparse.ArgumentParser(prog="tidelog", description="Durable workflow engine for RL fleets.")
     p.add_argument("--config", help="YAML config file (default: $TIDELOG_CONFIG, else built-in defaults)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -65,29 +68,20 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--epoch", type=int, help="the take-over into this epoch (default: the last one)")
     r.add_argument("--kind", help="only entities of this kind (checkpoints, rpc_calls, ...)")
     r.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    c = _workflow(sub, "checkpoint", "start a checkpoint and follow it (or --abort/--show/--list)")
-    c.add_argument("--id", dest="checkpoint_id", help="checkpoint id (default ck-<UTC time>-<4 hex>)")
-    c.add_argument("--directory", help="root checkpoint directory on the orchestrator (default checkpoint.directory)")
-    act = c.add_mutually_exclusive_group()
-    act.add_argument("--abort", metavar="ID", help="abort this open checkpoint (and follow it to aborted)")
-    act.add_argument("--show", metavar="ID", help="show one checkpoint: state, members, blockers, timings")
-    act.add_argument("--list", action="store_true", help="the latest checkpoints, newest first")
-    c.add_argument("--reason", help="with --abort: why (kept in the checkpoint's detail)")
-    rs = _workflow(sub, "restore", "restore a published checkpoint into the participants and follow it")
-    rs.add_argument("--checkpoint", dest="checkpoint_id", help="checkpoint id (default: the one LATEST names)")
-    rs.add_argument("--directory", help="root checkpoint directory on the orchestrator (default checkpoint.directory)")
-    rt = _workflow(sub, "retire", "retire an attempt of a rollout (and every earlier one) everywhere")
-    rt.add_argument("rollout", help="rollout id")
-    rt.add_argument("--attempt", type=int, required=True, help="the attempt to retire (0 is the first)")
-    fg = _workflow(sub, "forget", "forget a finished or retired rollout everywhere")
-    fg.add_argument("rollout", help="rollout id")
-    add_training_commands(sub)
+    handlers: dict[str, Command] = {"serve": _serve, "migrate": _migrate, "status": _status, "events": _events,
+                                    "verify": _verify, "replay": _replay, "demo": _demo, "demo-train": _demo_train}
+    for wf in workflow.registered():
+        if wf.commands is not None:
+            for name, handler in wf.commands(sub).items():
+                if name in handlers:
+                    raise ValueError(f"workflow {wf.name!r}: command {name!r} is already taken")
+                handlers[name] = handler
     d = sub.add_parser("demo", help="checkpoint reference participants mid-episode, SIGKILL them, restore, finish")
     checkpoint_demo_arguments(d)
     t = sub.add_parser("demo-train", help="an RL loop through crashes: rollouts score a batch, one training step, "
                                           "weights published behind the commit gate, the reward rising")
     training_demo_arguments(t)
-    return p
+    return p, handlers
 
 
 def _demo_train(_settings: Settings, args: argparse.Namespace) -> int:
@@ -101,15 +95,6 @@ def _demo(settings: Settings, args: argparse.Namespace) -> int:
     return demo.run_demo(args)
 
 
-def _workflow(sub: Any, name: str, text: str) -> argparse.ArgumentParser:
-    w: argparse.ArgumentParser = sub.add_parser(name, help=text)
-    w.add_argument("--url", help="the orchestrator's API (default http://<api.host>:<api.port>)")
-    w.add_argument("--wait", action=argparse.BooleanOptionalAction, default=True,
-                   help="follow it to the end, showing progress (default), or return once it is accepted")
-    w.add_argument("--json", action="store_true", help="print JSON (progress goes to stderr)")
-    return w
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand; returns the exit code (0 ok, 1 a check found problems, 2 bad input).
 
@@ -120,16 +105,19 @@ def main(argv: list[str] | None = None) -> int:
     journal URL shown only redacted and the password scrubbed from the driver's message. Any
     other exception is a bug and still ends in a traceback and exit code 1.
     """
-    args = _parser().parse_args(argv)
+    # The config first (``--config`` alone): its ``workflows:`` may register families whose
+    # commands the full parser then offers.
+    early = argparse.ArgumentParser(add_help=False)
+    early.add_argument("--config")
+    known, _ = early.parse_known_args(argv)
     try:
-        settings = load(args.config)
+        settings = load(known.config)
     except ConfigError as exc:
         print(f"tidelog: {exc}", file=sys.stderr)
         return 2
+    parser, handlers = _parser()
+    args = parser.parse_args(argv)
     logs.setup(settings.logging.level, settings.logging.format)
-    handlers = {"serve": _serve, "migrate": _migrate, "status": _status, "events": _events, "verify": _verify,
-                "replay": _replay, "checkpoint": _checkpoint, "restore": _restore, "retire": _retire,
-                "forget": _forget, "demo": _demo, "demo-train": _demo_train, **TRAINING_HANDLERS}
     try:
         return handlers[args.command](settings, args)
     except ApiFailure as exc:
@@ -404,122 +392,6 @@ def _replay(settings: Settings, args: argparse.Namespace) -> int:
     else:
         print(render(report))
     return 0
-
-
-# -- the workflows, through the orchestrator's API ---------------------------------------------------
-
-def _q(entity_id: str) -> str:
-    return urllib.parse.quote(entity_id, safe="")
-
-
-def _client(settings: Settings, args: argparse.Namespace) -> Client:
-    return Client(args.url or api_url(settings.api.host, settings.api.port), settings.token())
-
-
-def _follow(client: Client, args: argparse.Namespace, kind: str, entity_id: str, success: str = "done") -> int:
-    """Watch the row to its end (progress on stdout, or stderr with --json); 0 when it reached ``success``."""
-    body = watch(client, kind, entity_id, Display(sys.stderr if args.json else sys.stdout))
-    if args.json:
-        print(json.dumps(body))
-    else:
-        _summary(kind, body)
-    if body["state"] == success:
-        return 0
-    print(f"tidelog {args.command}: {kind[:-1]} {entity_id} {body['state']}: {body.get('detail') or 'no reason recorded'}",
-          file=sys.stderr)
-    return 1
-
-
-def _summary(kind: str, body: dict[str, Any]) -> None:
-    t = body["timings"]
-    print(f"{kind[:-1]} {body['id']}: {body['state']} after {t['total_s']:.1f}s"
-          + (f" ({body['detail']})" if body.get("detail") else ""))
-    if body.get("manifest_path"):
-        print(f"  manifest  {body['manifest_path']}")
-    for who, listed in sorted((body.get("blockers") or {}).items()):
-        print(f"  blockers  {who}: {', '.join(str(b) for b in listed) or '(none listed)'}")
-    for m in body.get("members", []):
-        print(f"  {m['participant']:<20} {m['kind']:<12} {m['state']:<10} {m['detail'] or ''}".rstrip())
-    phases = " ".join(f"{p['state']}{'/' + p['stage'] if p['stage'] else ''}={p['seconds']}s"
-                      for p in t.get("phases", []) if p["seconds"] is not None)
-    if phases:
-        print(f"  timings   {phases}")
-
-
-def _accepted(args: argparse.Namespace, reply: dict[str, Any], text: str) -> int:
-    print(json.dumps(reply) if args.json else text)
-    return 0
-
-
-def _checkpoint(settings: Settings, args: argparse.Namespace) -> int:
-    client = _client(settings, args)
-    if (args.abort or args.show or args.list) and (args.checkpoint_id or args.directory):
-        raise ValueError("--id and --directory start a checkpoint; they do not go with --abort, --show or --list")
-    if args.reason and not args.abort:
-        raise ValueError("--reason goes with --abort")
-    if args.list:
-        rows = client.get("/v1/checkpoints", {"limit": 20})["checkpoints"]
-        if args.json:
-            print(json.dumps(rows))
-            return 0
-        print(f"{'checkpoint':<32}  {'state':<10}  {'created (UTC)':<26}  {'seconds':>8}  detail")
-        for r in rows:
-            print(f"{r['id']:<32}  {r['state']:<10}  {r['created_at'][:26]:<26}  {r['timings']['total_s']:>8.1f}  "
-                  f"{r['detail'] or ''}".rstrip())
-        return 0
-    if args.show:
-        body = client.get(f"/v1/checkpoints/{_q(args.show)}")
-        if args.json:
-            print(json.dumps(body))
-        else:
-            _summary("checkpoints", body)
-        return 0
-    if args.abort:
-        reply = client.post(f"/v1/checkpoints/{_q(args.abort)}/abort", {"reason": args.reason} if args.reason else {})
-        if not args.wait:
-            return _accepted(args, reply, f"checkpoint {args.abort}: aborting (was {reply['was']})")
-        return _follow(client, args, "checkpoints", args.abort, success="aborted")
-    body = {k: v for k, v in (("checkpoint_id", args.checkpoint_id), ("directory", args.directory)) if v}
-    reply = client.post("/v1/checkpoints", body)
-    cid = reply["checkpoint_id"]
-    if not args.wait:
-        return _accepted(args, reply, f"checkpoint {cid} started with {len(reply['participants'])} participant(s) "
-                                      f"in {reply['directory']}")
-    if not args.json:
-        print(f"checkpoint {cid}: {', '.join(reply['participants'])} -> {reply['directory']}")
-    return _follow(client, args, "checkpoints", cid)
-
-
-def _restore(settings: Settings, args: argparse.Namespace) -> int:
-    client = _client(settings, args)
-    body = {k: v for k, v in (("checkpoint_id", args.checkpoint_id), ("directory", args.directory)) if v}
-    reply = client.post("/v1/restores", body)
-    text = f"restore {reply['restore_id']} of checkpoint {reply['checkpoint_id']} ({reply['episodes']} episode(s))"
-    if not args.wait:
-        return _accepted(args, reply, text + " started")
-    if not args.json:
-        print(text)
-    return _follow(client, args, "restores", reply["restore_id"])
-
-
-def _retirement(settings: Settings, args: argparse.Namespace, op: str, body: dict[str, Any]) -> int:
-    client = _client(settings, args)
-    reply = client.post(f"/v1/rollouts/{_q(args.rollout)}/{op}", body)
-    what = f"{op} {reply['retirement_id']} of rollout {reply['rollout_id']}" + (
-        f" attempt {reply['attempt']}" if reply.get("attempt") is not None else "")
-    if not args.wait:
-        return _accepted(args, reply, what + " queued")
-    if not args.json:
-        print(what)
-    return _follow(client, args, "retirements", reply["retirement_id"])
-
-
-def _retire(settings: Settings, args: argparse.Namespace) -> int:
-    return _retirement(settings, args, "retire", {"attempt": args.attempt})
-
-
-def _forget(settings: Settings, args: argparse.Namespace) -> int:
-    return _retirement(settings, args, "forget", {})
 
 
 if __name__ == "__main__":

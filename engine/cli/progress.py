@@ -1,5 +1,6 @@
-"""The client side of ``tidelog checkpoint|restore|retire|forget``: the orchestrator's HTTP API,
-waiting for a workflow to end, and a progress display while it runs.
+"""The client side of the workflow commands: the orchestrator's HTTP API, waiting for a workflow row
+to end (its machine's terminal states), and a progress display while it runs (stage names as its
+workflow declares them, :mod:`engine.runtime.workflow`).
 
 :class:`Client` calls the API (bearer token on POSTs) and turns every failure into
 :class:`ApiFailure` (the command exits 2): an unreachable API, or a typed refusal, quoted.
@@ -21,7 +22,7 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import IO, Any
 
-from engine.workflows.checkpoint.names import STAGE_NAMES, TERMINAL
+from engine.runtime import workflow
 
 
 class ApiFailure(Exception):
@@ -80,7 +81,7 @@ class Client:
 
 def label(kind: str, state: str, stage: int | None, scope: int | None = None) -> str:
     """``preparing stage 2/4 (model)``, ``running stage 1/3 (environment)``, ``committing (scope 3)``."""
-    names = STAGE_NAMES.get(kind)
+    names = workflow.stage_names(kind)
     if names and stage is not None and state in ("preparing", "running") and 0 <= stage < len(names):
         return f"{state} stage {stage + 1}/{len(names)} ({names[stage]})"
     if kind == "checkpoints" and state == "committing" and scope is not None:
@@ -121,7 +122,8 @@ class Display:
 def watch(client: Client, kind: str, entity_id: str, display: Display, *, poll_s: float = 0.1,
           clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep
           ) -> dict[str, Any]:
-    """Follow ``kind``/``entity_id`` until it is terminal; its final ``GET`` body."""
+    """Follow ``kind``/``entity_id`` until it is terminal (as the kind's machine says); its final ``GET`` body."""
+    terminal = workflow.terminal(kind)
     after, stage, scope = 0, None, None
     start: datetime | None = None
     shown = ""
@@ -143,7 +145,7 @@ def watch(client: Client, kind: str, entity_id: str, display: Display, *, poll_s
                 if now_label != shown:
                     shown = now_label
                     display.change(f"{shown} {seen_elapsed:.1f}s")
-                ended = ev["to_state"] in TERMINAL[kind]
+                ended = ev["to_state"] in terminal
             if ended:
                 display.close()
                 body: dict[str, Any] = client.get(f"/v1/{kind}/{urllib.parse.quote(entity_id, safe='')}")
@@ -156,4 +158,4 @@ def watch(client: Client, kind: str, entity_id: str, display: Display, *, poll_s
         display.close()
 
 
-__all__ = ["TERMINAL", "ApiFailure", "Client", "Display", "api_url", "label", "watch"]
+__all__ = ["ApiFailure", "Client", "Display", "api_url", "label", "watch"]

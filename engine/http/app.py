@@ -15,9 +15,10 @@ the field, the value and the rule; also ``"field"``), ``unauthorized`` (401),
 (413), ``body_timeout`` (408), ``method_not_allowed`` (405). No input is answered 500
 (docs/security.md): a NUL in the path or the query is refused by :func:`refuse_nul`.
 
-The checkpoint workflows' routes (checkpoints, restores, retire, forget) are in
-:mod:`engine.workflows.checkpoint.api`; the training routes (jobs, publications, engines)
-in :mod:`engine.workflows.training.api`.
+Every registered workflow adds its own routes (``Workflow.routes``, :mod:`engine.runtime.workflow`):
+discovery ``POST /v1/participants/probe``; the checkpoint workflows (checkpoints, restores, retire,
+forget) in :mod:`engine.workflows.checkpoint.api`; training (jobs, publications, engines) in
+:mod:`engine.workflows.training.api`.
 """
 
 from __future__ import annotations
@@ -34,8 +35,6 @@ from engine.http.query import QueryError, entity_counts, event_json, parse_event
 from engine.http.shell import Handler, bearer_matches, error, refuse_nul
 from engine.runtime.leader import LEASE_NAME
 from engine.runtime.service import Orchestrator
-from engine.workflows.checkpoint.api import add_workflow_routes
-from engine.workflows.training.api import add_training_routes
 
 ORCH: web.AppKey[Orchestrator] = web.AppKey("orchestrator", Orchestrator)
 
@@ -104,24 +103,6 @@ def make_app(orch: Orchestrator) -> web.Application:
         nxt = page[-1]["seq"] if len(page) == flt.limit else None
         return web.json_response({"events": [event_json(e) for e in page], "next_after": nxt})
 
-    async def probe(request: web.Request) -> web.Response:
-        name = request.query.get("name")
-        t = models.participants
-        async with orch.journal.read() as conn:
-            stmt = sa.select(t.c.id).where(t.c.state != "removed")
-            if name is not None:
-                stmt = stmt.where(t.c.id == name)
-            names = list((await conn.execute(stmt)).scalars())
-        if name is not None and not names:
-            return error(404, "not_found", f"no configured participant named {name!r}")
-        # A probe is a read: the request only queues it; the controller records what it finds.
-        if orch.discovery is None:
-            return error(404, "not_found", "discovery is not running in this orchestrator")
-        for n in names:
-            orch.discovery.request_probe(n)
-            orch.reconciler.enqueue("participants", n)
-        return web.json_response({"queued": names}, status=202)
-
     app = web.Application(middlewares=[limits_middleware(orch.settings.api.body_timeout_s), refuse_nul])
     app[ORCH] = orch
     app.router.add_get("/healthz", healthz)
@@ -130,9 +111,9 @@ def make_app(orch: Orchestrator) -> web.Application:
     app.router.add_get("/v1/status", status)
     app.router.add_get("/v1/participants", participants)
     app.router.add_get("/v1/events", events)
-    app.router.add_post("/v1/participants/probe", mutating(probe))
-    add_workflow_routes(app, orch, mutating)
-    add_training_routes(app, orch, mutating)
+    for workflow in orch.workflows:
+        if workflow.routes is not None:
+            workflow.routes(app, orch, mutating)
     return app
 
 

@@ -3,7 +3,8 @@
 Every commit the journal makes is announced to a :class:`CrashHooks` commit listener
 (the Orchestrator installs one first), which names each entity write
 ``<kind>:<from>-><to>`` (``<kind>:created:<state>`` for a create, :func:`hook_name`;
-:func:`hook_names` lists every name a set of machines can reach). When ``TIDELOG_CRASH_AT`` names one of them (optionally
+:func:`hook_names` lists every name a set of machines can reach, by default every registered
+workflow's). When ``TIDELOG_CRASH_AT`` names one of them (optionally
 ``NAME@N`` for its N-th occurrence), the process sends itself SIGKILL at that
 point — after the commit is durable, before anything else happens. Unarmed,
 the hook costs one dictionary lookup per commit.
@@ -18,6 +19,8 @@ from collections.abc import Iterable, Sequence
 
 from journal import Committed, StateMachine
 
+from engine.runtime import workflow
+
 ENV = "TIDELOG_CRASH_AT"
 
 
@@ -27,10 +30,11 @@ def hook_name(c: Committed) -> str:
     return f"{c.kind}:{c.from_state}->{c.to_state}"
 
 
-def hook_names(machines: Iterable[StateMachine]) -> list[str]:
-    """Every crash point the given machines can reach (for tests that enumerate them)."""
+def hook_names(machines: Iterable[StateMachine] | None = None) -> list[str]:
+    """Every crash point the given machines can reach (default: every registered kind's machine,
+    :func:`engine.runtime.workflow.machines`), for tests that enumerate them."""
     names: list[str] = []
-    for m in machines:
+    for m in workflow.machines() if machines is None else machines:
         names += [f"{m.kind}:created:{s}" for s in sorted(m.initial)]
         names += [f"{m.kind}:{a}->{b}" for a, b in m.edge_list()]
     return names

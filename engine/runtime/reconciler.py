@@ -88,9 +88,35 @@ class Context:
 
 
 class Controller(Protocol):
+    """What the reconciler runs for one kind (the contract in this module's docstring).
+
+    ``waiting`` and ``on_commit`` are the two optional hooks; :class:`BaseController` gives both
+    their do-nothing default, so a controller subclasses it and overrides what it needs."""
+
     kind: str
 
     async def reconcile(self, ctx: Context, entity_id: str) -> Result: ...
+
+    def waiting(self, entity_id: str) -> bool:
+        """Whether the row still waits on other calls: a call's reply then does not wake it (a
+        fan-out is looked at once, when its last reply is in, not once per reply)."""
+        ...
+
+    def on_commit(self, committed: Sequence[Committed]) -> None:
+        """Every commit of this process, before any wake-up (for an in-memory view of its calls)."""
+        ...
+
+
+class BaseController:
+    """The optional hooks' defaults: never waiting, no interest in commits."""
+
+    kind: str
+
+    def waiting(self, entity_id: str) -> bool:
+        return False
+
+    def on_commit(self, committed: Sequence[Committed]) -> None:
+        return None
 
 
 def key_of(kind: str, entity_id: str) -> str:
@@ -132,11 +158,9 @@ class Reconciler:
 
     def call_done(self, kind: str, entity_id: str) -> None:
         """The dispatcher finished a call owned by ``kind``/``entity_id``: look at it again, unless
-        its controller says it is still waiting on other calls (an optional
-        ``waiting(entity_id) -> bool``; a fan-out then wakes its owner once, not once per reply)."""
+        its controller says it is still waiting on other calls (:meth:`Controller.waiting`)."""
         controller = self.controllers.get(kind)
-        waiting = getattr(controller, "waiting", None)
-        if waiting is not None and waiting(entity_id):
+        if controller is not None and controller.waiting(entity_id):
             return
         self.enqueue(kind, entity_id)
 

@@ -1,4 +1,5 @@
-"""The orchestrator: journal + leader lease + reconciler + dispatcher (+ HTTP API in ``serve``).
+"""The orchestrator: journal + leader lease + reconciler + dispatcher (+ HTTP API in ``serve``), and
+the registered workflow families built on them (:mod:`engine.runtime.workflow`).
 
 Only the lease holder runs the reconciler and the dispatcher. On election (and
 on take-over) it recovers intents left in flight, queues every non-terminal
@@ -10,42 +11,50 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine, Mapping
+from collections.abc import Collection, Coroutine, Sequence
 from typing import Any
 
 from journal import Fence, Journal, LeaseLost, schema
 
+import engine.workflows  # noqa: F401 - registers the built-in families
+from engine.config import Settings
 from engine.runtime.clock import Clock, SystemClock
 from engine.runtime.committer import GroupCommitter
-from engine.config import Settings
-from engine.workflows.checkpoint.checkpoint import CheckpointController, CheckpointSettings
-from engine.workflows.checkpoint.restore import RestoreController, RestoreSettings
-from engine.workflows.checkpoint.retirement import RetirementController, RetirementSettings
-from engine.workflows.discovery.controller import DiscoveryController, DiscoverySettings, sync_configured
-from engine.workflows.training.engine_gate import sync_engines
 from engine.runtime.crash import CrashHooks
 from engine.runtime.dispatcher import Dispatcher
 from engine.runtime.leader import Leader
 from engine.runtime.metrics import Metrics
 from engine.runtime.reconciler import Controller, Reconciler
 from engine.runtime.rpc import RpcClient
-from engine.workflows.training.wiring import TrainingParts, build_training
+from engine.runtime.workflow import Deps, Parts, Workflow, register_kinds, registered
 
 log = logging.getLogger("tidelog.service")
 
 
 def open_journal(settings: Settings, clock: Clock | None = None, actor: str = "tidelog") -> Journal:
+    """The configured journal, knowing every registered workflow's kinds."""
     c = clock or SystemClock()
-    return Journal.open(settings.journal.url, clock=c.now, actor=actor,
-                        busy_timeout_ms=settings.journal.busy_timeout_ms, pool_size=settings.journal.pool_size)
+    journal = Journal.open(settings.journal.url, clock=c.now, actor=actor,
+                           busy_timeout_ms=settings.journal.busy_timeout_ms, pool_size=settings.journal.pool_size)
+    register_kinds(journal.kinds)
+    return journal
 
 
 class Orchestrator:
-    """Everything but the HTTP API; tests and the crash harness run it directly."""
+    """Everything but the HTTP API; tests and the crash harness run it directly.
+
+    ``workflows`` (default: every registered one) are built in order, each from the settings and
+    the shared parts (:class:`~engine.runtime.workflow.Deps`); ``controllers`` replace the built
+    controller of their kind (a test's own); the families named in ``unbuilt`` are not built (their
+    routes still answer reads), and ``with_discovery=False`` is ``unbuilt=["discovery"]``.
+    """
 
     def __init__(self, settings: Settings, *, journal: Journal | None = None, clock: Clock | None = None,
-                 controllers: list[Controller] | None = None, with_discovery: bool = True) -> None:
+                 controllers: list[Controller] | None = None, with_discovery: bool = True,
+                 workflows: Sequence[Workflow] | None = None, unbuilt: Collection[str] = ()) -> None:
         self.settings = settings
+        #: The workflow families this orchestrator serves (routes, kinds), built or not.
+        self.workflows: tuple[Workflow, ...] = tuple(registered() if workflows is None else workflows)
         self.clock = clock or SystemClock()
         self.holder = settings.orchestrator.holder()
         self.journal = journal or open_journal(settings, self.clock, actor=self.holder)
@@ -71,40 +80,38 @@ class Orchestrator:
                                      backoff_cap_s=d.backoff_cap_s, metrics=self.metrics)
         # Controllers claim the repeatable calls they write; this dispatcher sends them after the commit.
         self.reconciler.ctx.attach_sender(self.dispatcher.send)
-        self.discovery: DiscoveryController | None = None
-        if with_discovery:
-            ds = settings.discovery
-            self.discovery = DiscoveryController(self.rpc, DiscoverySettings(
-                ds.probe_timeout_s, ds.probe_tries, ds.interval_s, ds.max_backoff_s), self.metrics)
-            self.reconciler.register(self.discovery)
-        c = settings.checkpoint
-        # The checkpoint workflows' controllers, unless a caller (a test) passes its own for a kind.
-        given = {controller.kind for controller in controllers or []}
-        builtin: list[Controller] = [
-            CheckpointController(CheckpointSettings(c.prepare_timeout_s, c.commit_timeout_s, c.resume_timeout_s)),
-            RestoreController(RestoreSettings(c.restore_timeout_s, c.resume_timeout_s)),
-            RetirementController(RetirementSettings(c.retire_timeout_s))]
-        #: The training half (``training.enabled``): trainer host, engines, their controllers.
-        self.training: TrainingParts | None = None
-        if settings.training.enabled and "training_jobs" not in given:
-            self.training = build_training(settings)
-            builtin += [self.training.controller, self.training.gate]
-        for controller in [*(b for b in builtin if b.kind not in given), *(controllers or [])]:
+        register_kinds(self.journal.kinds, self.workflows)
+        given = list(controllers or [])
+        deps = Deps(settings, self.rpc, self.metrics, self.clock, frozenset(c.kind for c in given))
+        #: Each built family's parts, by workflow name (a family its settings leave off is absent).
+        self.parts: dict[str, Parts] = {}
+        skip = {*unbuilt, *(() if with_discovery else ("discovery",))}
+        for wf in self.workflows:
+            if wf.build is None or wf.name in skip:
+                continue
+            parts = wf.build(deps)
+            if parts is not None:
+                self.parts[wf.name] = parts
+        for controller in [*(c for p in self.parts.values() for c in p.controllers if c.kind not in deps.replaced),
+                           *given]:
             self.reconciler.register(controller)
         self.with_discovery = with_discovery
         # Crash hooks run first, so an armed hook kills the process before any wake-up.
         self.journal.add_commit_listener(CrashHooks())
         # A controller that keeps an in-memory view of its calls hears every commit (before wake-ups).
         for controller in self.reconciler.controllers.values():
-            listener = getattr(controller, "on_commit", None)
-            if listener is not None:
-                self.journal.add_commit_listener(listener)
+            self.journal.add_commit_listener(controller.on_commit)
         self.journal.add_commit_listener(self.reconciler.on_commit)
         self.journal.add_commit_listener(self.dispatcher.on_commit)
         self._work: list[asyncio.Task[None]] = []
         self._draining = False  # set while _stop_work winds the loops down
         self._leader_task: asyncio.Task[None] | None = None
         self.stopped = asyncio.Event()
+
+    def handle(self, name: str) -> Any:
+        """The built family ``name``'s own object (``Parts.handle``), or ``None`` when it is not built."""
+        parts = self.parts.get(name)
+        return None if parts is None else parts.handle
 
     @property
     def is_leader(self) -> bool:
@@ -124,21 +131,9 @@ class Orchestrator:
         self.metrics.leader.set(1)
         self.metrics.epoch.set(fence.epoch)
         try:
-            if self.with_discovery:
-                configured: Mapping[str, str] = {p.name: p.url for p in self.settings.participants}
-
-                async def sync(tx: Any) -> list[str]:
-                    return await sync_configured(tx, configured)
-
-                await self.committer.run(sync)
-            if self.training is not None:
-                t = self.settings.training
-                engines: Mapping[str, str] = {e.name: e.url for e in t.engines}
-
-                async def sync_gate(tx: Any) -> list[str]:
-                    return await sync_engines(tx, t.deployment, engines)
-
-                await self.committer.run(sync_gate)
+            for parts in self.parts.values():
+                for step in parts.on_elected:
+                    await self.committer.run(step)
             await self.dispatcher.recover()
         except (LeaseLost, Exception):
             log.exception("start-up recovery failed; stepping down")
@@ -183,9 +178,9 @@ class Orchestrator:
     async def _lost(self) -> None:
         self.metrics.leader.set(0)
         await self._stop_work()
-        if self.training is not None:
-            # The next leader starts its own trainer; this one's must not train beside it.
-            await asyncio.to_thread(self.training.host.release)
+        for parts in self.parts.values():
+            if parts.on_lost is not None:
+                await parts.on_lost()
 
     async def _stop_work(self) -> None:
         """Drain reconciles and in-flight calls for up to the grace period each, then cancel."""
@@ -222,7 +217,8 @@ class Orchestrator:
         except Exception:
             log.exception("could not release the lease; a standby takes over when it lapses")
         await self.rpc.close()
-        if self.training is not None:
-            await self.training.close()
+        for parts in self.parts.values():
+            if parts.close is not None:
+                await parts.close()
         await self.journal.dispose()
         self.stopped.set()

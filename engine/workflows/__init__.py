@@ -1,5 +1,16 @@
 """One folder per workflow family, each holding its controllers and, beside them, its HTTP routes
-(``api``) and CLI commands (``cli``): ``discovery``, ``checkpoint`` (checkpoint, restore, retire
-and forget), ``training`` (jobs and commit-gated publication)."""
+(``api``), CLI commands (``cli``) and its registration (``workflow``): ``discovery``, ``checkpoint``
+(checkpoint, restore, retire and forget), ``training`` (jobs and commit-gated publication).
 
-__all__ = ["checkpoint", "discovery", "training"]
+Importing this package registers the three, in this order (:mod:`engine.runtime.workflow`); the
+service and the CLI import it. A new family is one more folder with a ``workflow`` module (and its
+migration), imported here or named in the config's ``workflows:``."""
+
+from engine.workflows.discovery import workflow as discovery_workflow
+from engine.workflows.checkpoint import workflow as checkpoint_workflow
+from engine.workflows.training import workflow as training_workflow
+
+#: The built-in families, in the order they are registered.
+BUILTIN = (discovery_workflow.WORKFLOW, checkpoint_workflow.WORKFLOW, training_workflow.WORKFLOW)
+
+__all__ = ["BUILTIN", "checkpoint", "discovery", "training"]

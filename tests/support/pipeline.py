@@ -15,7 +15,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from engine.runtime.reconciler import Context, Result
+from engine.runtime.reconciler import BaseController, Context, Result
 from journal import EntityKind, Journal, StateMachine, WriteTx, outbox
 from journal.models import entity_columns
 from journal.writes import Row
@@ -43,7 +43,7 @@ async def install(journal: Journal) -> None:
         await conn.run_sync(metadata.create_all)
 
 
-class PipelineController:
+class PipelineController(BaseController):
     """At ``stepK``: make sure the step-K call is queued; once it succeeded, move on."""
 
     kind = KIND

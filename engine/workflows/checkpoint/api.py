@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from datetime import datetime
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import sqlalchemy as sa
 from aiohttp import web
@@ -44,7 +44,9 @@ from engine.workflows.checkpoint.confined import run as run_file_work
 from engine.workflows.checkpoint.restore import CheckpointNotFound, read_latest, read_manifest, start_restore
 from engine.workflows.checkpoint.retirement import InvalidRetirement, request_retirement
 from engine.workflows.checkpoint.names import STAGE_NAMES, TERMINAL
-from engine.runtime.service import Orchestrator
+
+if TYPE_CHECKING:  # annotations only: the service builds the families
+    from engine.runtime.service import Orchestrator
 
 
 

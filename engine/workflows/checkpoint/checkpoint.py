@@ -54,7 +54,7 @@ from workers.protocol import EpisodeId
 
 from engine.workflows.checkpoint import confined
 from engine.runtime.clock import Clock, SystemClock
-from engine.runtime.reconciler import Context, Result
+from engine.runtime.reconciler import BaseController, Context, Result
 from engine.workflows.checkpoint.fanout import control_intent, describe_error, read_calls, timings
 from engine.workflows.checkpoint.open_calls import SETTLED, OpenCalls
 from engine.workflows.checkpoint.publish_files import Publication, PublishFailed
@@ -138,7 +138,7 @@ async def start_checkpoint(tx: WriteTx, checkpoint_id: str, checkpoint_dir: str,
                                 "url": p["url"], "stage": STAGES.index(p["kind"])})
 
 
-class CheckpointController:
+class CheckpointController(BaseController):
     kind = KIND
 
     def __init__(self, settings: CheckpointSettings | None = None) -> None:

@@ -46,7 +46,7 @@ from journal.writes import Row, to_row
 from workers.protocol import CONTROL_PREFIX, ID_PATTERN, EpisodeId
 
 from engine.workflows.checkpoint.confined import UnsafeFile, read_file
-from engine.runtime.reconciler import Context, Result
+from engine.runtime.reconciler import BaseController, Context, Result
 from engine.workflows.checkpoint.fanout import Member, fan_out, healthy, participant_rows, timings
 from engine.workflows.checkpoint.retirement import RETIRE_ORDER
 
@@ -171,7 +171,7 @@ def _episodes(row: Row, *, next_attempt: bool = False) -> list[dict[str, Any]]:
     return out
 
 
-class RestoreController:
+class RestoreController(BaseController):
     """Runs ``restores`` rows (see the module docstring)."""
 
     kind = KIND

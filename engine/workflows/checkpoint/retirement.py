@@ -42,7 +42,7 @@ from journal import Transition, WriteTx, models, outbox
 from journal.writes import Row, to_row
 from workers.protocol import EpisodeId
 
-from engine.runtime.reconciler import Context, Result
+from engine.runtime.reconciler import BaseController, Context, Result
 from engine.workflows.checkpoint.fanout import Member, control_intent, fan_out, healthy, participant_rows, read_calls
 
 log = logging.getLogger("tidelog.retirement")
@@ -111,7 +111,7 @@ def wire_id(row: Row) -> str:
     return f"{row['op']}-{hashlib.sha256(row.id.encode()).hexdigest()[:12]}"
 
 
-class RetirementController:
+class RetirementController(BaseController):
     """Runs ``retirements`` rows (see the module docstring)."""
 
     kind = KIND

@@ -32,7 +32,7 @@ from journal.writes import Row
 from workers.protocol import KINDS, STATUS_PATH, StatusReply
 
 from engine.runtime.metrics import Metrics
-from engine.runtime.reconciler import Context, Result
+from engine.runtime.reconciler import BaseController, Context, Result
 from engine.runtime.rpc import RemoteError, RpcClient, RpcError
 
 log = logging.getLogger("tidelog.discovery")
@@ -80,7 +80,7 @@ def classify(reply: Any = None, error: RpcError | None = None) -> ProbeOutcome:
                                     "detail": None}, "status ok")
 
 
-class DiscoveryController:
+class DiscoveryController(BaseController):
     kind = KIND
 
     def __init__(self, rpc: RpcClient, settings: DiscoverySettings, metrics: Metrics | None = None) -> None:

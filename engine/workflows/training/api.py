@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import sqlalchemy as sa
 from aiohttp import web
@@ -42,9 +42,11 @@ from journal.audit import EventFilter
 
 from engine.http.query import QueryError, parse_list_query, single_values
 from engine.http.shell import ApiError, Body, Directory, Handler, error, read_body, row_json, shown, typed
-from engine.runtime.service import Orchestrator
 from engine.workflows.training import (InvalidDecision, JobClosed, JobConflict, JobNotFound, JobStateRefused, TrainingPayloadError, reject_job, resolve_job, submit_job)
 from engine.workflows.training.wiring import TrainingParts
+
+if TYPE_CHECKING:  # annotations only: the service builds the families
+    from engine.runtime.service import Orchestrator
 
 JOBS, VERSIONS, ENGINES = "training_jobs", "weight_versions", "engines"
 
@@ -177,10 +179,11 @@ def add_training_routes(app: web.Application, orch: Orchestrator, mutating: Call
         return typed(handler, refusals)
 
     def training() -> TrainingParts:
-        if orch.training is None:
+        parts = orch.handle("training")
+        if not isinstance(parts, TrainingParts):
             raise ApiError(503, "training_disabled", "training is not enabled in this orchestrator "
                                                      "(training.enabled); nothing was written")
-        return orch.training
+        return parts
 
     def no_query(request: web.Request) -> None:
         for name, value in single_values(request.query).items():

@@ -19,23 +19,21 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import urllib.parse
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from engine.cli.client import api_arguments as _api
+from engine.cli.client import client_for as _client
+from engine.cli.client import printed as _print
+from engine.cli.client import quote as _q
 from engine.config import Settings
-from engine.cli.progress import Client, api_url
+from engine.runtime.workflow import Command
 
 DECISIONS = ("ran", "not_run", "abandon")
 
 
-def _api(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("--url", help="the orchestrator's API (default http://<api.host>:<api.port>)")
-    p.add_argument("--json", action="store_true", help="print the API's JSON reply")
-    return p
-
-
-def add_training_commands(sub: Any) -> None:
+def add_commands(sub: Any) -> Mapping[str, Command]:
     """Add ``jobs``, ``publications`` and ``engines`` to the ``tidelog`` parser's subcommands."""
     jobs = sub.add_parser("jobs", help="submit, list, show, resolve or reject training jobs")
     act = jobs.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -61,19 +59,7 @@ def add_training_commands(sub: Any) -> None:
     p.add_argument("--state", help="only versions in this state (target, loaded, committed, rejected)")
     p.add_argument("--limit", type=int, default=50, help="at most this many (default 50)")
     _api(sub.add_parser("engines", help="the deployment's inference engines as the journal records them"))
-
-
-def _q(entity_id: str) -> str:
-    return urllib.parse.quote(entity_id, safe="")
-
-
-def _client(settings: Settings, args: argparse.Namespace) -> Client:
-    return Client(args.url or api_url(settings.api.host, settings.api.port), settings.token())
-
-
-def _print(args: argparse.Namespace, reply: Any, text: str) -> int:
-    print(json.dumps(reply) if args.json else text)
-    return 0
+    return HANDLERS
 
 
 def read_payload(name: str) -> dict[str, Any]:
@@ -195,6 +181,6 @@ def engines(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
-HANDLERS = {"jobs": jobs, "publications": publications, "engines": engines}
+HANDLERS: dict[str, Command] = {"jobs": jobs, "publications": publications, "engines": engines}
 
-__all__ = ["HANDLERS", "add_training_commands", "read_payload"]
+__all__ = ["HANDLERS", "add_commands", "read_payload"]

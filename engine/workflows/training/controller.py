@@ -48,7 +48,7 @@ from journal.writes import Row, to_row
 
 from workers.inference.engine import InferenceEngine
 
-from engine.runtime.reconciler import Context, Result
+from engine.runtime.reconciler import BaseController, Context, Result
 from engine.workflows.training.publication import PublicationSettings, Publisher
 
 log = logging.getLogger("tidelog.training")
@@ -80,7 +80,7 @@ class TrainingSettings:
     retry_after_s: float = 5.0
 
 
-class TrainingController:
+class TrainingController(BaseController):
     kind = KIND
 
     def __init__(self, executor: TrainerRanks, settings: TrainingSettings,

@@ -39,7 +39,7 @@ from journal import Transition, WriteTx, models
 from journal.writes import Row, to_row
 from workers.inference.engine import InferenceEngine
 
-from engine.runtime.reconciler import Context, Result
+from engine.runtime.reconciler import BaseController, Context, Result
 
 log = logging.getLogger("tidelog.engines")
 
@@ -115,7 +115,7 @@ class GateSettings:
     retry_after_s: float = 5.0
 
 
-class EngineGateController:
+class EngineGateController(BaseController):
     """Reconciles ``engines`` rows: the start-up (and standing) commit gate; see the module docs."""
 
     kind = KIND

@@ -23,7 +23,7 @@ from aiohttp import web
 from engine.config import Settings
 from engine.http.app import make_app
 from engine.runtime.clock import VirtualClock
-from engine.runtime.reconciler import Context, Result
+from engine.runtime.reconciler import BaseController, Context, Result
 from engine.runtime.service import Orchestrator
 from journal import models
 from tests.support.participant_server import StatusServer
@@ -34,7 +34,7 @@ START = datetime(2030, 1, 1, tzinfo=timezone.utc)
 RESUME_S = 17.0
 
 
-class LeavesCheckpointsAlone:
+class LeavesCheckpointsAlone(BaseController):
     """The checkpoint kind's controller here: it never moves a checkpoint."""
 
     kind = "checkpoints"

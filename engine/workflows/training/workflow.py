@@ -1,0 +1,56 @@
+"""The training family as registered: its kinds (training jobs, weight versions, engines), the
+trainer host, training controller and engine gate built from the ``training`` section (only when
+``training.enabled``), the configured engines synced on every election, the trainer released when
+the lease is lost, and its routes and commands."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+
+from journal import EntityKind, WriteTx, machines, models
+
+from engine.config import TrainingWorkflowSettings
+from engine.runtime.workflow import Deps, Parts, Workflow, register
+from engine.workflows.training.api import add_training_routes
+from engine.workflows.training.cli import add_commands
+from engine.workflows.training.engine_gate import sync_engines
+from engine.workflows.training.wiring import TrainingParts, build_training
+
+NAME = "training"
+
+
+def build(deps: Deps) -> Parts | None:
+    """``None`` unless ``training.enabled``, or when the caller supplies the training controller
+    itself (its publisher and the gate share a lock, so the family is built whole or not at all)."""
+    t = deps.settings.training
+    if not t.enabled or "training_jobs" in deps.replaced:
+        return None
+    parts = build_training(deps.settings)
+    engines: Mapping[str, str] = {e.name: e.url for e in t.engines}
+
+    async def sync(tx: WriteTx) -> list[str]:
+        return await sync_engines(tx, t.deployment, engines)
+
+    async def lost() -> None:
+        # The next leader starts its own trainer; this one's must not train beside it.
+        await asyncio.to_thread(parts.host.release)
+
+    return Parts(controllers=[parts.controller, parts.gate], on_elected=[sync], on_lost=lost,
+                 close=parts.close, handle=parts)
+
+
+def training_parts(handle: object) -> TrainingParts | None:
+    """The orchestrator's built training half, if it has one (``orch.handle(NAME)``)."""
+    return handle if isinstance(handle, TrainingParts) else None
+
+
+WORKFLOW = register(Workflow(
+    NAME,
+    kinds=tuple(EntityKind(m.kind, table, m) for table, m in (
+        (models.training_jobs, machines.TRAINING_JOBS), (models.weight_versions, machines.WEIGHT_VERSIONS),
+        (models.engines, machines.ENGINES))),
+    build=build, routes=add_training_routes, commands=add_commands,
+    settings=TrainingWorkflowSettings, builtin_section=True))
+
+__all__ = ["NAME", "WORKFLOW", "training_parts"]
