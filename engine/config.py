@@ -238,8 +238,10 @@ class LoggingSettings(_Strict):
         return v.upper()
 
 
-#: An importable module path (``package.module``): what ``workflows:`` lists.
-_MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+#: What ``workflows:`` lists: a module path (``package.module``, which registers its workflow when
+#: imported) or ``package.module:NAME`` (the module's :class:`~engine.runtime.workflow.Workflow`
+#: ``NAME``, registered by the loader).
+_MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*(:[A-Za-z_][A-Za-z0-9_]*)?$")
 
 
 class Settings(_Strict):
@@ -299,7 +301,7 @@ class Settings(_Strict):
     def _modules(cls, v: list[str]) -> list[str]:
         for name in v:
             if not _MODULE.match(name):
-                raise ValueError(f"{name!r} is not a module path (package.module)")
+                raise ValueError(f"{name!r} is not a module path (package.module or package.module:NAME)")
         return v
 
     def section(self, name: str) -> Any:
@@ -328,6 +330,9 @@ class Settings(_Strict):
 def _format(exc: ValidationError, source: str) -> str:
     lines = [f"{source}: invalid configuration"]
     for err in exc.errors():
+        if err["type"] == "workflow_section":
+            lines.append(f"  {err['msg']}")  # already ``section.key: rule (got value)``
+            continue
         where = ".".join(str(p) for p in err["loc"]) or "(top level)"
         value = err.get("input")
         if isinstance(value, str):
@@ -338,17 +343,28 @@ def _format(exc: ValidationError, source: str) -> str:
 
 
 def import_workflows(modules: Any, source: str) -> None:
-    """Import each module ``workflows:`` names (each registers its workflow), before validation, so
-    that their settings sections are known; a module that cannot be imported is a ``ConfigError``."""
+    """Import each module ``workflows:`` names (and register the workflow a ``module:NAME`` entry
+    names), before validation, so that their settings sections are known. A module that cannot be
+    imported, a ``NAME`` that is not a Workflow, or a clash with a registered one is a ``ConfigError``."""
     if not isinstance(modules, list):
         return  # the model refuses a value that is not a list, naming the key
-    for name in modules:
-        if not isinstance(name, str) or not _MODULE.match(name):
+    for entry in modules:
+        if not isinstance(entry, str) or not _MODULE.match(entry):
             continue  # refused by the model, naming the value
+        name, _, attr = entry.partition(":")
         try:
-            importlib.import_module(name)
+            module = importlib.import_module(name)
         except Exception as exc:  # noqa: BLE001 - any failure to import is the config's problem
             raise ConfigError(f"{source}: workflows: cannot import {name!r}: {type(exc).__name__}: {exc}") from None
+        if not attr:
+            continue
+        found = getattr(module, attr, None)
+        if not isinstance(found, workflow.Workflow):
+            raise ConfigError(f"{source}: workflows: {entry!r}: {name} has no Workflow named {attr!r}")
+        try:
+            workflow.register(found)
+        except ValueError as exc:
+            raise ConfigError(f"{source}: workflows: {entry!r}: {exc}") from None
 
 
 def load(path: str | os.PathLike[str] | None) -> Settings:

@@ -188,8 +188,10 @@ def _open_for_reading(settings: Settings) -> Journal:
     A SQLite path that does not exist is refused (``no journal at PATH``) instead of leaving an
     empty database there, and a journal on a read-only file or mount can still be read.
     """
-    return Journal.open(settings.journal.url, read_only=True, clock=SystemClock().now,
-                        busy_timeout_ms=settings.journal.busy_timeout_ms, pool_size=settings.journal.pool_size)
+    journal = Journal.open(settings.journal.url, read_only=True, clock=SystemClock().now,
+                           busy_timeout_ms=settings.journal.busy_timeout_ms, pool_size=settings.journal.pool_size)
+    workflow.register_kinds(journal.kinds)  # events, verify and replay know every registered kind
+    return journal
 
 
 #: The range of times the journal can hold, for the messages that refuse others.

@@ -79,7 +79,8 @@ def write_config(journal_url: str, tmp: Path, **overrides: Any) -> tuple[Path, S
         "logging": {"level": "INFO", "format": "text"},
     }
     for section, values in overrides.items():
-        config[section] = {**config.get(section, {}), **values}
+        # A section's keys are merged; a key that is not a section (``workflows: [...]``) is set.
+        config[section] = {**config.get(section, {}), **values} if isinstance(values, dict) else values
     cfg = tmp / "tidelog.yaml"
     cfg.write_text(yaml.safe_dump(config))
     return cfg, Served(f"http://127.0.0.1:{port}", port, root, extra, tmp / "serve.log", journal_url)

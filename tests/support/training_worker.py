@@ -135,11 +135,11 @@ async def main(journal_url: str, workdir: str, n: int, initial_weights: str, eng
     await migrate_if_needed(journal_url)
     orch = Orchestrator(settings(journal_url, workdir, initial_weights, engine_urls))
     await orch.start()
-    assert orch.training is not None
+    assert orch.handle("training") is not None
     # Start the trainer process while the lease is won (after a crash it lapses first): the
     # controller's first sync point would start it anyway (and then brings it onto the latest
     # checkpoint whoever started it); this only overlaps the two waits.
-    ensure = getattr(orch.training.host, "ensure", None)
+    ensure = getattr(orch.handle("training").host, "ensure", None)
     warm = asyncio.create_task(asyncio.to_thread(ensure) if ensure is not None else asyncio.sleep(0))
     loop = asyncio.get_running_loop()
     deadline = loop.time() + DEADLINE_S

@@ -83,8 +83,8 @@ async def wait_job(base: str, job_id: str, *states: str, timeout: float = 40) ->
 
 
 async def trainer(orch: Orchestrator, method: str, *args: Any) -> Any:
-    assert orch.training is not None
-    return await asyncio.to_thread(orch.training.host.rpc, 0, method, args)
+    assert orch.handle("training") is not None
+    return await asyncio.to_thread(orch.handle("training").host.rpc, 0, method, args)
 
 
 async def job_events(journal_url: str, job_id: str | None = None) -> int:

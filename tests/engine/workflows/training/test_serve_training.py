@@ -344,24 +344,24 @@ async def test_a_restarted_trainer_continues_from_the_latest_checkpoint(journal_
                                                                        orchestrators: list[Orchestrator]) -> None:
     orch = await serving(training_settings(journal_url, tmp_path, engine_procs, initial_dir, executor="mp"),
                          orchestrators)
-    assert orch.training is not None
+    assert orch.handle("training") is not None
     first = await submit(orch.journal, payload(0), deployment="dep")
     await until_state(orch.journal, first, "COMPLETE")
-    health = await asyncio.to_thread(orch.training.host.rpc, 0, "health")
+    health = await asyncio.to_thread(orch.handle("training").host.rpc, 0, "health")
     assert health["step"] == 1
     os.kill(health["pid"], signal.SIGKILL)  # the trainer process dies between jobs
     second = await submit(orch.journal, payload(1), deployment="dep")
     row = await until_state(orch.journal, second, "COMPLETE", "AMBIGUOUS")
     if row["state"] == "AMBIGUOUS":  # the dead executor met train itself: settled from evidence
         row = await until_state(orch.journal, second, "COMPLETE")
-    after = await asyncio.to_thread(orch.training.host.rpc, 0, "health")
-    assert after["pid"] != health["pid"] and orch.training.host.generation >= 2
+    after = await asyncio.to_thread(orch.handle("training").host.rpc, 0, "health")
+    assert after["pid"] != health["pid"] and orch.handle("training").host.generation >= 2
     assert after["step"] == 2 and after["last_job_id"] == second
     # Bitwise the weights an uninterrupted trainer reaches with the same two steps.
     reference = Trainer(seed=0)
     reference.train({**payload(0), "job_id": first})
     reference.train({**payload(1), "job_id": second})
-    digest = await asyncio.to_thread(orch.training.host.rpc, 0, "weights_digest")
+    digest = await asyncio.to_thread(orch.handle("training").host.rpc, 0, "weights_digest")
     assert digest == reference.weights_digest()
     assert (await job_row(orch.journal, second))["metrics"]["step"] == 2
 
@@ -377,22 +377,22 @@ async def test_a_step_no_kept_job_accounts_for_is_dropped_by_a_fresh_trainer(jou
     settings = training_settings(journal_url, tmp_path, engine_procs, initial_dir, executor="mp")
     (tmp_path / "checkpoints").write_text("a file where the checkpoint directory should be")  # a real fault
     orch = await serving(settings, orchestrators)
-    assert orch.training is not None
+    assert orch.handle("training") is not None
     bad = await submit(orch.journal, payload(0), deployment="dep")
     row = await until_state(orch.journal, bad, "AMBIGUOUS")
-    held = await asyncio.to_thread(orch.training.host.rpc, 0, "health")
+    held = await asyncio.to_thread(orch.handle("training").host.rpc, 0, "health")
     assert held["last_job_id"] == bad and held["step"] == 1 and "checkpoint failed" in str(row["ambiguity"])
     async with orch.journal.write() as tx:
         await resolve_job(tx, bad, "abandon", reason="its checkpoint cannot be written")
     (tmp_path / "checkpoints").unlink()
     good = await submit(orch.journal, payload(1), deployment="dep")
     done = await until_state(orch.journal, good, "COMPLETE")
-    health = await asyncio.to_thread(orch.training.host.rpc, 0, "health")
+    health = await asyncio.to_thread(orch.handle("training").host.rpc, 0, "health")
     assert health["pid"] != held["pid"] and health["step"] == 1 and done["metrics"]["step"] == 1
     assert done["trainer_step"] == 0
     reference = Trainer(seed=0)
     reference.train({**payload(1), "job_id": good})
-    assert await asyncio.to_thread(orch.training.host.rpc, 0, "weights_digest") == reference.weights_digest()
+    assert await asyncio.to_thread(orch.handle("training").host.rpc, 0, "weights_digest") == reference.weights_digest()
 
 
 async def test_a_trainer_that_cannot_be_made_ready_is_said_and_train_waits(journal_url: str, tmp_path: Path,
@@ -401,12 +401,12 @@ async def test_a_trainer_that_cannot_be_made_ready_is_said_and_train_waits(journ
                                                                           orchestrators: list[Orchestrator]) -> None:
     orch = await serving(training_settings(journal_url, tmp_path, engine_procs, initial_dir, executor="mp"),
                          orchestrators)
-    assert orch.training is not None
+    assert orch.handle("training") is not None
     first = await submit(orch.journal, payload(0), deployment="dep")
     kept = Path((await until_state(orch.journal, first, "COMPLETE"))["checkpoint_path"])
     aside = tmp_path / "aside.ckpt"
     kept.rename(aside)  # the latest checkpoint is gone (a real fault: a volume not mounted)...
-    health = await asyncio.to_thread(orch.training.host.rpc, 0, "health")
+    health = await asyncio.to_thread(orch.handle("training").host.rpc, 0, "health")
     os.kill(health["pid"], signal.SIGKILL)  # ...and the trainer that held its step dies
     second = await submit(orch.journal, payload(1), deployment="dep")
     for _ in range(400):
@@ -433,7 +433,7 @@ async def test_rejecting_a_first_job_puts_back_the_initial_weights_and_a_fresh_t
                              json={"path": "/update_weights_from_disk", "mode": "error"}) as resp:
             assert resp.status == 200, await resp.text()
     orch = await serving(settings, orchestrators)
-    assert orch.training is not None
+    assert orch.handle("training") is not None
     job = await submit(orch.journal, payload(0), deployment="dep")
     for _ in range(400):
         row = await job_row(orch.journal, job)
@@ -441,7 +441,7 @@ async def test_rejecting_a_first_job_puts_back_the_initial_weights_and_a_fresh_t
             break
         await asyncio.sleep(0.05)
     assert row["state"] == "UPDATING_WEIGHTS" and "failed" in row["detail"], row
-    held = await asyncio.to_thread(orch.training.host.rpc, 0, "health")
+    held = await asyncio.to_thread(orch.handle("training").host.rpc, 0, "health")
     assert held["last_job_id"] == job
     async with orch.journal.write() as tx:
         await reject_job(tx, job, reason="its reward looked wrong")
@@ -453,7 +453,7 @@ async def test_rejecting_a_first_job_puts_back_the_initial_weights_and_a_fresh_t
             assert await engine.weight_version() == head and not await paused(engine)
         finally:
             await engine.close()
-    fresh = await asyncio.to_thread(orch.training.host.rpc, 0, "health")
+    fresh = await asyncio.to_thread(orch.handle("training").host.rpc, 0, "health")
     assert fresh["pid"] != held["pid"] and fresh["step"] == 0 and fresh["step_record"]["job_id"] == "initial"
     # The next job trains on the initial weights, not on the rejected step.
     after = await submit(orch.journal, payload(1), deployment="dep")
@@ -461,7 +461,7 @@ async def test_rejecting_a_first_job_puts_back_the_initial_weights_and_a_fresh_t
     assert done["metrics"]["step"] == 1
     reference = Trainer(seed=0)
     reference.train({**payload(1), "job_id": after})
-    assert await asyncio.to_thread(orch.training.host.rpc, 0, "weights_digest") == reference.weights_digest()
+    assert await asyncio.to_thread(orch.handle("training").host.rpc, 0, "weights_digest") == reference.weights_digest()
     t = models.weight_versions
     async with orch.journal.read() as conn:
         confirmed = (await conn.execute(sa.select(t.c.confirmed_by).where(t.c.id == done["runtime_load_id"]))).scalar()
