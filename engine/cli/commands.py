@@ -23,7 +23,6 @@ import logging
 import signal
 import sqlite3
 import sys
-import urllib.parse
 from datetime import datetime, timezone
 from typing import Any
 

@@ -34,17 +34,26 @@ def error(status: int, code: str, detail: str) -> web.Response:
 
 
 class ApiError(Exception):
-    """A typed refusal: ``{"error": {"code", "detail"[, "field"]}}`` with ``status``."""
+    """A typed refusal: ``{"error": {"code", "detail"[, "field"], **extra}}`` with ``status``
+    (``extra``: the ids or states the refusal names, e.g. the job in the way)."""
 
-    def __init__(self, status: int, code: str, detail: str, field: str | None = None) -> None:
+    def __init__(self, status: int, code: str, detail: str, field: str | None = None, **extra: Any) -> None:
         self.status, self.code, self.detail, self.field = status, code, detail, field
+        self.extra = extra
         super().__init__(detail)
 
     def response(self) -> web.Response:
         body: dict[str, Any] = {"code": self.code, "detail": self.detail}
         if self.field is not None:
             body["field"] = self.field
+        body.update(self.extra)
         return web.json_response({"error": body}, status=self.status)
+
+
+#: A family's exception-to-refusal table: for an exception of a key's type (or a subclass), the
+#: :class:`ApiError` to answer with. Domain rules raise their own exceptions (no HTTP in them);
+#: the family's routes hand :func:`typed` this table.
+Refusals = Mapping[type[Exception], Callable[[Any], ApiError]]
 
 
 def _no_nul(v: str) -> str:
@@ -175,10 +184,11 @@ async def refuse_nul(request: web.Request, handler: Handler) -> web.StreamRespon
     return await handler(request)
 
 
-def typed(handler: Handler, refusals: Callable[[Exception], web.Response | None] | None = None) -> Handler:
+def typed(handler: Handler, refusals: Refusals | None = None) -> Handler:
     """``handler`` with its refusals answered in the error shape: :class:`ApiError`,
-    :class:`QueryError` (400 ``invalid_query``), a lost lease (503 ``not_leader``), and whatever
-    ``refusals`` maps (a family's own exceptions; it returns ``None`` for one it does not know)."""
+    :class:`QueryError` (400 ``invalid_query``), a lost lease (503 ``not_leader``), and the
+    exceptions ``refusals`` maps (the nearest class in the exception's MRO wins); any other
+    exception is not a refusal and propagates."""
     async def wrapped(request: web.Request) -> web.StreamResponse:
         try:
             return await handler(request)
@@ -190,12 +200,13 @@ def typed(handler: Handler, refusals: Callable[[Exception], web.Response | None]
             return error(503, "not_leader", f"this orchestrator lost the lease before the write committed "
                                             f"({exc}); nothing was written")
         except Exception as exc:
-            answer = refusals(exc) if refusals is not None else None
-            if answer is None:
-                raise
-            return answer
+            for cls in type(exc).__mro__:
+                refusal = (refusals or {}).get(cls)
+                if refusal is not None:
+                    return refusal(exc).response()
+            raise
     return wrapped
 
 
-__all__ = ["ApiError", "Body", "Directory", "Handler", "MAX_DEPTH", "bearer_matches", "check_json", "error", "iso",
+__all__ = ["ApiError", "Body", "Directory", "Handler", "MAX_DEPTH", "Refusals", "bearer_matches", "check_json", "error", "iso",
            "new_id", "read_body", "refuse_nul", "row_json", "shown", "typed", "validation_error"]

@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from journal import Committed, Fence, Journal, LeaseLost, WriteTx
+from journal import Committed, Fence, Journal, LeaseLost, StaleRow, WriteTx
 from journal.batch import Op
 
 T = TypeVar("T")
@@ -61,6 +61,19 @@ class GroupCommitter:
     async def run(self, fn: Callable[[WriteTx], Awaitable[T]]) -> T:
         """Run ``fn`` in a shared fenced transaction and return its result after the commit."""
         return await self._submit(_Submission(fn=fn))  # type: ignore[no-any-return]
+
+    async def run_fresh(self, fn: Callable[[WriteTx], Awaitable[T]], *, tries: int = 5) -> T:
+        """:meth:`run` for a compare-and-set that reads the row it moves: run again while it raises
+        :class:`StaleRow` (a controller moved the row between the read and the write), at most
+        ``tries`` times; the last :class:`StaleRow` propagates for the caller to refuse."""
+        if tries < 1:
+            raise ValueError(f"tries must be at least 1, not {tries}")
+        for _ in range(tries - 1):
+            try:
+                return await self.run(fn)
+            except StaleRow:
+                continue
+        return await self.run(fn)
 
     async def apply(self, *ops: Op) -> list[Committed | None]:
         """Apply declarative operations (all-or-nothing) in a shared fenced transaction.

@@ -31,18 +31,20 @@ from pydantic import Field, StringConstraints, ValidationError
 
 from journal import DuplicateEntity, StaleRow, WriteTx, audit, models
 from journal.audit import EventFilter
-from journal.machines import CHECKPOINTS
 from journal.writes import to_row
 from workers.protocol import CheckpointId, EpisodeId
 
-from engine.http.query import QueryError, parse_list_query, single_values
-from engine.http.shell import (ApiError, Body, Directory, Handler, iso, new_id, read_body, row_json, shown,
-                               typed)
+from engine.http.listing import lister as list_rows
+from engine.http.query import QueryError, single_values
+from engine.http.shell import (ApiError, Body, Directory, Handler, Refusals, iso, new_id, read_body, row_json,
+                               shown, typed)
 from engine.workflows.checkpoint.checkpoint import STAGES, start_checkpoint
 from engine.workflows.checkpoint.confined import DirectoryRefused, confine, roots
 from engine.workflows.checkpoint.confined import run as run_file_work
 from engine.workflows.checkpoint.restore import CheckpointNotFound, read_latest, read_manifest, start_restore
 from engine.workflows.checkpoint.retirement import InvalidRetirement, request_retirement
+from engine.workflows.checkpoint.rules import (ABORTABLE, NoSuchCheckpoint, NotAbortable, WorkflowOpen,
+                                               abort_checkpoint, refuse_while_open)
 from engine.workflows.checkpoint.names import STAGE_NAMES, TERMINAL
 
 if TYPE_CHECKING:  # annotations only: the service builds the families
@@ -85,8 +87,6 @@ class Abort(Body):
     reason: Annotated[str, StringConstraints(min_length=1, max_length=500)] | None = None
 
 
-#: The checkpoint states with an edge to ``aborting``: preparing, prepared, committing, committed.
-ABORTABLE = tuple(s for s, to in CHECKPOINTS.edges.items() if "aborting" in to and s != "aborting")
 #: The states in which a row's ``stage`` names where it is (checkpoints: preparing; retirements: running).
 STAGED = ("preparing", "running")
 
@@ -137,19 +137,14 @@ def workflow_json(kind: str, row: Mapping[Any, Any], now: datetime) -> dict[str,
     return out
 
 
-async def open_workflows(tx: WriteTx) -> None:
-    """Refuse (409) while a checkpoint or a restore is open: the two never overlap."""
-    c, r = models.checkpoints, models.restores
-    found = (await tx.execute(sa.select(c.c.id, c.c.state).where(
-        c.c.state.not_in(TERMINAL["checkpoints"])).order_by(c.c.created_at).limit(1))).first()
-    if found is not None:
-        raise ApiError(409, "checkpoint_open", f"checkpoint {found.id!r} is open (state {found.state}); "
-                                               f"wait for it to end or abort it first")
-    found = (await tx.execute(sa.select(r.c.id, r.c.state).where(
-        r.c.state.not_in(TERMINAL["restores"])).order_by(r.c.created_at).limit(1))).first()
-    if found is not None:
-        raise ApiError(409, "restore_open", f"restore {found.id!r} is open (state {found.state}); "
-                                            f"wait for it to end first")
+#: The checkpoint family's refusals (the shell answers the shared ones).
+REFUSALS: Refusals = {
+    WorkflowOpen: lambda exc: ApiError(409, "checkpoint_open" if exc.kind == "checkpoints" else "restore_open",
+                                       str(exc)),
+    NoSuchCheckpoint: lambda exc: ApiError(404, "not_found", str(exc)),
+    NotAbortable: lambda exc: ApiError(409, "not_abortable", str(exc)),
+    InvalidRetirement: lambda exc: ApiError(422, "invalid_body", str(exc), exc.field),
+}
 
 
 def member_json(mapping: Mapping[Any, Any]) -> dict[str, Any]:
@@ -196,7 +191,7 @@ def add_workflow_routes(app: web.Application, orch: Orchestrator, mutating: Call
         p = models.participants
 
         async def write(tx: WriteTx) -> list[str]:
-            await open_workflows(tx)
+            await refuse_while_open(tx)
             existing = await tx.get("checkpoints", cid)
             if existing is not None:
                 raise ApiError(409, "already_exists", f"checkpoint {cid!r} already exists (state {existing.state}); "
@@ -220,32 +215,14 @@ def add_workflow_routes(app: web.Application, orch: Orchestrator, mutating: Call
     async def checkpoint_abort(request: web.Request) -> web.Response:
         body = await read_body(request, Abort)
         cid = request.match_info["id"]
-        detail = "aborted by an operator" + (f": {body.reason}" if body.reason else "")
         resume_s = orch.settings.checkpoint.resume_timeout_s
 
         async def write(tx: WriteTx) -> str:
-            row = await tx.get("checkpoints", cid)
-            if row is None:
-                raise ApiError(404, "not_found", f"no checkpoint {cid!r}")
-            if row.state not in ABORTABLE:
-                why = "it has ended" if row.state in TERMINAL["checkpoints"] else "it is past the point of no return"
-                raise ApiError(409, "not_abortable", f"checkpoint {cid!r} is {row.state}, {why}; only a checkpoint "
-                                                     f"that is {', '.join(ABORTABLE)} can be aborted")
-            timings = dict(row["timings"] or {})
-            timings[row.state] = round((tx.now - row["updated_at"]).total_seconds(), 3)
-            # As the controller aborts: everyone is resumed, under a fresh resume deadline.
-            await tx.transition("checkpoints", cid, from_state=row.state, version=row.version, to_state="aborting",
-                                reason=detail, changes={"detail": detail, "timings": timings,
-                                                        "deadline_ts": orch.clock.time() + resume_s})
-            return row.state
-        for _ in range(5):
-            try:
-                was = await orch.committer.run(write)
-                break
-            except StaleRow:
-                continue  # the controller moved it meanwhile: look again
-        else:
-            raise ApiError(409, "not_abortable", f"checkpoint {cid!r} kept changing; try again")
+            return await abort_checkpoint(tx, cid, reason=body.reason, resume_deadline_ts=orch.clock.time() + resume_s)
+        try:
+            was = await orch.committer.run_fresh(write)
+        except StaleRow:  # the controller moved it each time we looked
+            raise ApiError(409, "not_abortable", f"checkpoint {cid!r} kept changing; try again") from None
         return web.json_response({"checkpoint_id": cid, "state": "aborting", "was": was}, status=202)
 
     async def restores_start(request: web.Request) -> web.Response:
@@ -282,7 +259,7 @@ def add_workflow_routes(app: web.Application, orch: Orchestrator, mutating: Call
         rid = new_id("rs", orch.clock.now())
 
         async def write(tx: WriteTx) -> None:
-            await open_workflows(tx)
+            await refuse_while_open(tx)
             await start_restore(tx, rid, directory, cid, scope)
         await orch.committer.run(write)
         return web.json_response({"restore_id": rid, "checkpoint_id": cid, "directory": directory,
@@ -324,35 +301,16 @@ def add_workflow_routes(app: web.Application, orch: Orchestrator, mutating: Call
                     await request_retirement(tx, rid, "retire", episodes=[episode])
                 else:
                     await request_retirement(tx, rid, "forget", rollout_ids=[episode.rollout_id])
-            try:
-                await orch.committer.run(write)
-            except InvalidRetirement as exc:
-                raise ApiError(422, "invalid_body", str(exc), exc.field) from None
+            await orch.committer.run(write)
             return web.json_response({"retirement_id": rid, "op": op, "rollout_id": episode.rollout_id,
                                       "attempt": attempt}, status=202,
                                      headers={"Location": f"/v1/retirements/{rid}"})
         return handler
 
     def lister(kind: str, key: str) -> Handler:
-        t = orch.journal.kinds.get(kind).table
-
-        async def handler(request: web.Request) -> web.Response:
-            state, limit, before = parse_list_query(single_values(request.query), kind, orch.journal.kinds)
-            stmt = sa.select(t)
-            if state is not None:
-                stmt = stmt.where(t.c.state == state)
-            async with orch.journal.read() as conn:
-                if before is not None:
-                    anchor = (await conn.execute(sa.select(t.c.created_at).where(t.c.id == before))).first()
-                    if anchor is None:
-                        raise QueryError("before", before, f"no {kind} row has this id (give a next_before)")
-                    stmt = stmt.where(sa.or_(t.c.created_at < anchor.created_at,
-                                             sa.and_(t.c.created_at == anchor.created_at, t.c.id < before)))
-                rows = (await conn.execute(stmt.order_by(t.c.created_at.desc(), t.c.id.desc()).limit(limit))).all()
-            now = orch.clock.now()
-            items = [workflow_json(kind, r._mapping, now) for r in rows]
-            return web.json_response({key: items, "next_before": items[-1]["id"] if len(items) == limit else None})
-        return handler
+        def shape(row: Mapping[Any, Any], now: datetime) -> dict[str, Any]:
+            return workflow_json(kind, row, now)
+        return list_rows(orch.journal, kind, key, shape, orch.clock.now)
 
     def getter(kind: str) -> Handler:
         t = orch.journal.kinds.get(kind).table
@@ -378,18 +336,18 @@ def add_workflow_routes(app: web.Application, orch: Orchestrator, mutating: Call
             return web.json_response(out)
         return handler
 
-    app.router.add_get("/v1/checkpoints", typed(lister("checkpoints", "checkpoints")))
-    app.router.add_post("/v1/checkpoints", mutating(typed(checkpoints_start)))
-    app.router.add_get("/v1/checkpoints/{id}", typed(getter("checkpoints")))
-    app.router.add_post("/v1/checkpoints/{id}/abort", mutating(typed(checkpoint_abort)))
-    app.router.add_get("/v1/restores", typed(lister("restores", "restores")))
-    app.router.add_post("/v1/restores", mutating(typed(restores_start)))
-    app.router.add_get("/v1/restores/{id}", typed(getter("restores")))
-    app.router.add_get("/v1/retirements", typed(lister("retirements", "retirements")))
-    app.router.add_get("/v1/retirements/{id}", typed(getter("retirements")))
-    app.router.add_post("/v1/rollouts/{id}/retire", mutating(typed(retirement("retire"))))
-    app.router.add_post("/v1/rollouts/{id}/forget", mutating(typed(retirement("forget"))))
+    app.router.add_get("/v1/checkpoints", typed(lister("checkpoints", "checkpoints"), REFUSALS))
+    app.router.add_post("/v1/checkpoints", mutating(typed(checkpoints_start, REFUSALS)))
+    app.router.add_get("/v1/checkpoints/{id}", typed(getter("checkpoints"), REFUSALS))
+    app.router.add_post("/v1/checkpoints/{id}/abort", mutating(typed(checkpoint_abort, REFUSALS)))
+    app.router.add_get("/v1/restores", typed(lister("restores", "restores"), REFUSALS))
+    app.router.add_post("/v1/restores", mutating(typed(restores_start, REFUSALS)))
+    app.router.add_get("/v1/restores/{id}", typed(getter("restores"), REFUSALS))
+    app.router.add_get("/v1/retirements", typed(lister("retirements", "retirements"), REFUSALS))
+    app.router.add_get("/v1/retirements/{id}", typed(getter("retirements"), REFUSALS))
+    app.router.add_post("/v1/rollouts/{id}/retire", mutating(typed(retirement("retire"), REFUSALS)))
+    app.router.add_post("/v1/rollouts/{id}/forget", mutating(typed(retirement("forget"), REFUSALS)))
 
 
-__all__ = ["ABORTABLE", "ApiError", "StartCheckpoint", "StartRestore", "Retire", "Forget", "Abort",
+__all__ = ["ABORTABLE", "REFUSALS", "ApiError", "StartCheckpoint", "StartRestore", "Retire", "Forget", "Abort",
            "add_workflow_routes", "stage_name"]

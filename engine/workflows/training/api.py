@@ -40,8 +40,9 @@ from pydantic import AfterValidator, StringConstraints
 from journal import StaleRow, WriteTx, audit, models
 from journal.audit import EventFilter
 
-from engine.http.query import QueryError, parse_list_query, single_values
-from engine.http.shell import ApiError, Body, Directory, Handler, error, read_body, row_json, shown, typed
+from engine.http.listing import lister as list_rows
+from engine.http.query import QueryError, single_values
+from engine.http.shell import ApiError, Body, Directory, Handler, Refusals, read_body, row_json, shown, typed
 from engine.workflows.training import (InvalidDecision, JobClosed, JobConflict, JobNotFound, JobStateRefused, TrainingPayloadError, reject_job, resolve_job, submit_job)
 from engine.workflows.training.wiring import TrainingParts
 
@@ -49,21 +50,6 @@ if TYPE_CHECKING:  # annotations only: the service builds the families
     from engine.runtime.service import Orchestrator
 
 JOBS, VERSIONS, ENGINES = "training_jobs", "weight_versions", "engines"
-
-
-class TrainingApiError(ApiError):
-    """An :class:`ApiError` whose body also carries ``extra`` (the ids or states it names)."""
-
-    def __init__(self, status: int, code: str, detail: str, field: str | None = None, **extra: Any) -> None:
-        super().__init__(status, code, detail, field)
-        self.extra = extra
-
-    def response(self) -> web.Response:
-        body: dict[str, Any] = {"code": self.code, "detail": self.detail}
-        if self.field is not None:
-            body["field"] = self.field
-        body.update(self.extra)
-        return web.json_response({"error": body}, status=self.status)
 
 
 def _said(v: str) -> str:
@@ -102,7 +88,16 @@ def _invalid(exc: TrainingPayloadError | InvalidDecision) -> ApiError:
 
 
 def _refused(exc: JobStateRefused) -> ApiError:
-    return TrainingApiError(409, "job_state", str(exc), state=exc.state, allowed=list(exc.allowed))
+    return ApiError(409, "job_state", str(exc), state=exc.state, allowed=list(exc.allowed))
+
+
+#: The training family's refusals (the shell answers the shared ones).
+REFUSALS: Refusals = {
+    JobNotFound: lambda exc: ApiError(404, "not_found", str(exc)),
+    JobStateRefused: _refused,
+    InvalidDecision: _invalid,
+    TrainingPayloadError: _invalid,
+}
 
 
 def job_json(mapping: Mapping[Any, Any], terminal: frozenset[str], *, payload: bool = True) -> dict[str, Any]:
@@ -151,32 +146,14 @@ async def job_history(conn: Any, job_id: str) -> tuple[list[dict[str, Any]], int
     return history[:half] + [dict(r._mapping) for r in reversed(tail)], total - 2 * half
 
 
-def _before(cols: Sequence[Any], anchor: Sequence[Any]) -> Any:
-    """Rows strictly before ``anchor`` in the descending order of ``cols``."""
-    terms = []
-    for i, col in enumerate(cols):
-        terms.append(sa.and_(*(c == a for c, a in zip(cols[:i], anchor[:i])), col < anchor[i]))
-    return sa.or_(*terms)
-
-
 def add_training_routes(app: web.Application, orch: Orchestrator, mutating: Callable[[Handler], Handler]) -> None:
     """Register the training routes; ``mutating`` is the API's token-and-leader guard."""
     kinds = orch.journal.kinds
     job_end = kinds.get(JOBS).machine.terminal
     t, v, g = models.training_jobs, models.weight_versions, models.engines
 
-    def refusals(exc: Exception) -> web.Response | None:
-        """The training family's own refusals (the shell answers the shared ones)."""
-        if isinstance(exc, JobNotFound):
-            return error(404, "not_found", str(exc))
-        if isinstance(exc, JobStateRefused):
-            return _refused(exc).response()
-        if isinstance(exc, (InvalidDecision, TrainingPayloadError)):
-            return _invalid(exc).response()
-        return None
-
     def handled(handler: Handler) -> Handler:
-        return typed(handler, refusals)
+        return typed(handler, REFUSALS)
 
     def training() -> TrainingParts:
         parts = orch.handle("training")
@@ -207,11 +184,11 @@ def add_training_routes(app: web.Application, orch: Orchestrator, mutating: Call
         try:
             job_id, disposition = await orch.committer.run(write)
         except JobConflict as exc:
-            raise TrainingApiError(409, "job_conflict", str(exc), deployment=exc.deployment,
+            raise ApiError(409, "job_conflict", str(exc), deployment=exc.deployment,
                                    in_flight_job=exc.in_flight, in_flight_state=exc.state,
                                    refused_job=exc.submitted) from None
         except JobClosed as exc:
-            raise TrainingApiError(409, "job_closed", str(exc), job_id=exc.job_id, state=exc.state) from None
+            raise ApiError(409, "job_closed", str(exc), job_id=exc.job_id, state=exc.state) from None
         async with orch.journal.read() as conn:
             job = await job_summary(conn, job_id)
         return web.json_response({"job": job, "disposition": disposition},
@@ -220,13 +197,10 @@ def add_training_routes(app: web.Application, orch: Orchestrator, mutating: Call
 
     async def operate(write: Callable[[WriteTx], Awaitable[str]], job_id: str) -> str:
         """Run an operator's compare-and-set, looking again if a controller moved the job meanwhile."""
-        for _ in range(5):
-            try:
-                was: str = await orch.committer.run(write)
-                return was
-            except StaleRow:
-                continue
-        raise ApiError(409, "job_state", f"job {job_id} kept changing; look at it and try again")
+        try:
+            return await orch.committer.run_fresh(write)
+        except StaleRow:
+            raise ApiError(409, "job_state", f"job {job_id} kept changing; look at it and try again") from None
 
     async def resolve(request: web.Request) -> web.Response:
         body = await read_body(request, ResolveJob)
@@ -281,25 +255,9 @@ def add_training_routes(app: web.Application, orch: Orchestrator, mutating: Call
         was = await operate(write, job_id)
         return web.json_response({"job_id": job_id, "state": "REJECTING", "was": was}, status=202)
 
-    def lister(kind: str, key: str, table: sa.Table, order: tuple[str, ...],
-               shape: Callable[[Mapping[Any, Any]], dict[str, Any]]) -> Handler:
-        cols = [table.c[name] for name in order]
-
-        async def handler(request: web.Request) -> web.Response:
-            state, limit, before = parse_list_query(single_values(request.query), kind, kinds)
-            stmt = sa.select(table)
-            if state is not None:
-                stmt = stmt.where(table.c.state == state)
-            async with orch.journal.read() as conn:
-                if before is not None:
-                    anchor = (await conn.execute(sa.select(*cols).where(table.c.id == before))).first()
-                    if anchor is None:
-                        raise QueryError("before", before, f"no {kind} row has this id (give a next_before)")
-                    stmt = stmt.where(_before(cols, tuple(anchor)))
-                rows = (await conn.execute(stmt.order_by(*(c.desc() for c in cols)).limit(limit))).all()
-            items = [shape(r._mapping) for r in rows]
-            return web.json_response({key: items, "next_before": items[-1]["id"] if len(items) == limit else None})
-        return handler
+    def lister(kind: str, key: str, order: tuple[str, ...], shape: Callable[[Mapping[Any, Any]], dict[str, Any]]
+               ) -> Handler:
+        return list_rows(orch.journal, kind, key, lambda row, _now: shape(row), orch.clock.now, order=order)
 
     async def job_get(request: web.Request) -> web.Response:
         no_query(request)
@@ -345,14 +303,14 @@ def add_training_routes(app: web.Application, orch: Orchestrator, mutating: Call
         return job_json(m, job_end, payload=False)
 
     app.router.add_post("/v1/jobs", mutating(handled(submit)))
-    app.router.add_get("/v1/jobs", handled(lister(JOBS, "jobs", t, ("created_at", "id"), summary)))
+    app.router.add_get("/v1/jobs", handled(lister(JOBS, "jobs", ("created_at", "id"), summary)))
     app.router.add_get("/v1/jobs/{id}", handled(job_get))
     app.router.add_post("/v1/jobs/{id}/resolve", mutating(handled(resolve)))
     app.router.add_post("/v1/jobs/{id}/reject", mutating(handled(reject)))
-    app.router.add_get("/v1/publications", handled(lister(VERSIONS, "publications", v,
+    app.router.add_get("/v1/publications", handled(lister(VERSIONS, "publications",
                                                         ("created_at", "sequence", "id"), row_json)))
     app.router.add_get("/v1/publications/{load_id}", handled(publication_get))
     app.router.add_get("/v1/engines", handled(engines))
 
 
-__all__ = ["RejectJob", "ResolveJob", "SubmitJob", "TrainingApiError", "add_training_routes"]
+__all__ = ["REFUSALS", "RejectJob", "ResolveJob", "SubmitJob", "add_training_routes"]

@@ -1,0 +1,79 @@
+"""The checkpoint family's operator-facing rules, as plain functions over a write transaction that
+raise typed exceptions (no HTTP here; the routes map them in :data:`engine.workflows.checkpoint.api.REFUSALS`):
+
+- **one at a time**: a checkpoint or a restore may start only while no checkpoint and no restore
+  is open (:func:`refuse_while_open`); they never overlap, so a restore never reads a checkpoint
+  being written and a checkpoint never captures a restore half applied;
+- **abort**: an operator may abort a checkpoint that is preparing, prepared, committing or
+  committed (:data:`ABORTABLE`, read from the machine's edges into ``aborting``); it then moves as
+  the controller's own abort does, under a fresh resume deadline (:func:`abort_checkpoint`).
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+
+from journal import WriteTx, models
+from journal.machines import CHECKPOINTS, RESTORES
+
+#: The checkpoint states with an edge to ``aborting``: preparing, prepared, committing, committed.
+ABORTABLE = tuple(s for s, to in CHECKPOINTS.edges.items() if "aborting" in to and s != "aborting")
+
+
+class WorkflowOpen(Exception):
+    """A checkpoint or a restore is open (``kind`` ``checkpoints`` or ``restores``, its id and state)."""
+
+    def __init__(self, kind: str, entity_id: str, state: str) -> None:
+        self.kind, self.entity_id, self.state = kind, entity_id, state
+        what = "checkpoint" if kind == "checkpoints" else "restore"
+        then = "wait for it to end or abort it first" if kind == "checkpoints" else "wait for it to end first"
+        super().__init__(f"{what} {entity_id!r} is open (state {state}); {then}")
+
+
+class NoSuchCheckpoint(LookupError):
+    def __init__(self, checkpoint_id: str) -> None:
+        self.checkpoint_id = checkpoint_id
+        super().__init__(f"no checkpoint {checkpoint_id!r}")
+
+
+class NotAbortable(Exception):
+    """The checkpoint is past the point of no return, or has ended."""
+
+    def __init__(self, checkpoint_id: str, state: str) -> None:
+        self.checkpoint_id, self.state = checkpoint_id, state
+        why = "it has ended" if state in CHECKPOINTS.terminal else "it is past the point of no return"
+        super().__init__(f"checkpoint {checkpoint_id!r} is {state}, {why}; only a checkpoint that is "
+                         f"{', '.join(ABORTABLE)} can be aborted")
+
+
+async def refuse_while_open(tx: WriteTx) -> None:
+    """Raise :class:`WorkflowOpen` naming the oldest open checkpoint, else the oldest open restore."""
+    for table, machine in ((models.checkpoints, CHECKPOINTS), (models.restores, RESTORES)):
+        found = (await tx.execute(sa.select(table.c.id, table.c.state).where(
+            table.c.state.not_in(sorted(machine.terminal))).order_by(table.c.created_at).limit(1))).first()
+        if found is not None:
+            raise WorkflowOpen(machine.kind, found.id, found.state)
+
+
+async def abort_checkpoint(tx: WriteTx, checkpoint_id: str, *, reason: str | None, resume_deadline_ts: float) -> str:
+    """Move the checkpoint to ``aborting`` (a compare-and-set from the state and version it reads);
+    its detail says an operator aborted it and why, the time in its current state is added to its
+    timings, and everyone is resumed by ``resume_deadline_ts``. Returns the state it was in.
+
+    Raises :class:`NoSuchCheckpoint`, :class:`NotAbortable`, or ``StaleRow`` when the controller
+    moved it meanwhile (run it with :meth:`GroupCommitter.run_fresh`)."""
+    row = await tx.get("checkpoints", checkpoint_id)
+    if row is None:
+        raise NoSuchCheckpoint(checkpoint_id)
+    if row.state not in ABORTABLE:
+        raise NotAbortable(checkpoint_id, row.state)
+    detail = "aborted by an operator" + (f": {reason}" if reason else "")
+    timings = dict(row["timings"] or {})
+    timings[row.state] = round((tx.now - row["updated_at"]).total_seconds(), 3)
+    await tx.transition("checkpoints", checkpoint_id, from_state=row.state, version=row.version,
+                        to_state="aborting", reason=detail,
+                        changes={"detail": detail, "timings": timings, "deadline_ts": resume_deadline_ts})
+    return row.state
+
+
+__all__ = ["ABORTABLE", "NoSuchCheckpoint", "NotAbortable", "WorkflowOpen", "abort_checkpoint", "refuse_while_open"]
