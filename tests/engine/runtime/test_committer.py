@@ -267,3 +267,40 @@ async def test_context_apply_and_get_go_through_the_committer_and_the_group_read
     assert got[0] is not None and (got[0].state, got[0].version, got[0]["label"]) == ("on", 2, "x")
     assert got[1] is not None and (got[1].state, got[1].version) == ("new", 1)
     assert got[2] is None
+
+
+@pytest.mark.parametrize("stale_times, tries", [(0, 5), (2, 5), (4, 5), (5, 5), (1, 1)])
+async def test_run_fresh_runs_a_compare_and_set_again_while_it_is_stale(
+        gj: Journal, committer: GroupCommitter, stale_times: int, tries: int) -> None:
+    # The fault is injected: the function writes, then reports the row stale (as a controller moving
+    # the row between an operator's read and write would), ``stale_times`` times, then succeeds.
+    calls: list[int] = []
+
+    async def fn(tx: WriteTx) -> str:
+        calls.append(len(calls))
+        row_now = await tx.get(G, "s00")
+        assert row_now is not None
+        await tx.transition(G, "s00", from_state=row_now.state, version=row_now.version, to_state="on",
+                            reason="operator", changes={"hits": len(calls)})
+        if len(calls) <= stale_times:
+            raise StaleRow(G, "s00", row_now.state, row_now.version, "on", row_now.version + 1)
+        return row_now.state
+
+    if stale_times >= tries:
+        with pytest.raises(StaleRow):
+            await committer.run_fresh(fn, tries=tries)
+        assert len(calls) == tries
+        assert await state_of(gj, "s00") == ("new", 1)  # every stale try was rolled back
+        return
+    assert await committer.run_fresh(fn, tries=tries) == "new"
+    assert len(calls) == stale_times + 1
+    assert await state_of(gj, "s00") == ("on", 2)
+    assert (await row(gj, G, "s00"))["hits"] == stale_times + 1
+
+
+async def test_run_fresh_needs_at_least_one_try(committer: GroupCommitter) -> None:
+    async def fn(tx: WriteTx) -> None:
+        raise AssertionError("not run")
+
+    with pytest.raises(ValueError, match="tries must be at least 1, not 0"):
+        await committer.run_fresh(fn, tries=0)
