@@ -20,14 +20,14 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
-import aiohttp
 import orjson
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, stop_after_delay, wait_exponential
 from yarl import URL
 
-Pool = Literal["control", "data"]
+from engine.runtime.transport import AiohttpTransport, Pool, Request, Transport, TransportFailure
+
 
 TOKEN_HEADER = "Authorization"
 EPOCH_HEADER = "X-Tidelog-Epoch"
@@ -100,32 +100,28 @@ def encode_body(body: Any) -> bytes:
 
 
 class RpcClient:
-    """Pooled, authenticated, fenced HTTP calls with deadlines."""
+    """Pooled, authenticated, fenced HTTP calls with deadlines, over a :class:`Transport`
+    (default: real HTTP with a ``control`` and a ``data`` pool; a test may pass its own)."""
 
     def __init__(self, *, token: str | None, epoch: Callable[[], int | None] = lambda: None,
                  control_pool: int = 64, control_per_host: int = 8, data_pool: int = 16,
-                 transport_tries: int = 3, retry_backoff_s: float = 0.2) -> None:
+                 transport_tries: int = 3, retry_backoff_s: float = 0.2,
+                 transport: Transport | None = None) -> None:
         if transport_tries < 1:
             raise ValueError("transport_tries must be >= 1")
         self._token = token
         self._epoch = epoch
-        self._limits = {"control": (control_pool, control_per_host), "data": (data_pool, 0)}
         self._tries = transport_tries
         self._backoff = retry_backoff_s
-        self._sessions: dict[str, aiohttp.ClientSession] = {}
+        self.transport: Transport = transport or AiohttpTransport(
+            control_pool=control_pool, control_per_host=control_per_host, data_pool=data_pool)
         self._urls: dict[tuple[str, str], URL] = {}
 
     async def start(self) -> None:
-        for pool, (limit, per_host) in self._limits.items():
-            if pool not in self._sessions:
-                connector = aiohttp.TCPConnector(limit=limit, limit_per_host=per_host)
-                self._sessions[pool] = aiohttp.ClientSession(connector=connector,
-                                                             json_serialize=lambda o: encode_body(o).decode())
+        """Nothing to open ahead of the first call (a transport opens its pools when first used)."""
 
     async def close(self) -> None:
-        sessions, self._sessions = self._sessions, {}
-        for s in sessions.values():
-            await s.close()
+        await self.transport.close()
 
     def _url(self, target: str, path: str) -> URL:
         """``target + path`` parsed once: a fan-out calls the same few URLs again and again."""
@@ -162,9 +158,6 @@ class RpcClient:
         """
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        if not self._sessions:
-            await self.start()
-        session = self._sessions[pool]
         if content is not None and body is not None:
             raise ValueError("pass a body or its encoded content, not both")
         data = content if content is not None else None if body is None else encode_body(body)
@@ -192,25 +185,21 @@ class RpcClient:
                     raise last[-1]
                 raise CallTimeout(target, method, path, f"deadline of {timeout_s:g}s passed", sent=sent_any)
             try:
-                async with session.request(method, url, data=data, headers=headers, allow_redirects=False,
-                                           timeout=aiohttp.ClientTimeout(total=remaining)) as resp:
-                    raw = await resp.read()
-                    status = resp.status
-            except aiohttp.ConnectionTimeoutError:
-                last.append(CallTimeout(target, method, path, f"cannot connect within {timeout_s:g}s",
-                                        sent=sent_any))
+                reply = await self.transport.send(Request(method, url, headers, data, remaining, pool))
+            except TransportFailure as exc:
+                if exc.failure == "connect_timeout":
+                    last.append(CallTimeout(target, method, path, f"cannot connect within {timeout_s:g}s",
+                                            sent=sent_any))
+                elif exc.failure == "connect":
+                    last.append(TransportError(target, method, path, f"cannot connect: {exc.reason}", sent=sent_any))
+                else:
+                    sent_any = True
+                    if exc.failure == "reply_timeout":
+                        raise CallTimeout(target, method, path, f"no reply within {timeout_s:g}s",
+                                          sent=True) from None
+                    raise TransportError(target, method, path, exc.reason, sent=True) from None
                 raise last[-1] from None
-            except aiohttp.ClientConnectorError as exc:
-                last.append(TransportError(target, method, path, f"cannot connect: {exc.os_error or exc}",
-                                           sent=sent_any))
-                raise last[-1] from None
-            except asyncio.TimeoutError:
-                sent_any = True
-                raise CallTimeout(target, method, path, f"no reply within {timeout_s:g}s", sent=True) from None
-            except aiohttp.ClientError as exc:
-                sent_any = True
-                raise TransportError(target, method, path, f"{type(exc).__name__}: {exc}", sent=True) from None
-            return self._decode(target, method, path, status, raw)
+            return self._decode(target, method, path, reply.status, reply.content)
 
         # Retries with exponential backoff (``retry_backoff_s * 2**(n-1)``, capped at
         # ``max(retry_backoff_s, 2s)``), on transport errors only (see worth_retrying), for at most

@@ -26,6 +26,7 @@ from engine.runtime.leader import Leader
 from engine.runtime.metrics import Metrics
 from engine.runtime.reconciler import Controller, Reconciler
 from engine.runtime.rpc import RpcClient
+from engine.runtime.transport import Transport
 from engine.runtime.workflow import Deps, Parts, Workflow, register_kinds, registered
 
 log = logging.getLogger("tidelog.service")
@@ -46,12 +47,14 @@ class Orchestrator:
     ``workflows`` (default: every registered one) are built in order, each from the settings and
     the shared parts (:class:`~engine.runtime.workflow.Deps`); ``controllers`` replace the built
     controller of their kind (a test's own); the families named in ``unbuilt`` are not built (their
-    routes still answer reads), and ``with_discovery=False`` is ``unbuilt=["discovery"]``.
+    routes still answer reads), and ``with_discovery=False`` is ``unbuilt=["discovery"]``;
+    ``transport`` is what the RPC client sends over (default real HTTP; a test's in-process remote).
     """
 
     def __init__(self, settings: Settings, *, journal: Journal | None = None, clock: Clock | None = None,
                  controllers: list[Controller] | None = None, with_discovery: bool = True,
-                 workflows: Sequence[Workflow] | None = None, unbuilt: Collection[str] = ()) -> None:
+                 workflows: Sequence[Workflow] | None = None, unbuilt: Collection[str] = (),
+                 transport: Transport | None = None) -> None:
         self.settings = settings
         #: The workflow families this orchestrator serves (routes, kinds), built or not.
         self.workflows: tuple[Workflow, ...] = tuple(registered() if workflows is None else workflows)
@@ -68,7 +71,7 @@ class Orchestrator:
         self.rpc = RpcClient(token=settings.token(), epoch=lambda: self.leader.last_epoch,
                              control_pool=r.control_pool, control_per_host=r.control_per_host,
                              data_pool=r.data_pool, transport_tries=r.transport_tries,
-                             retry_backoff_s=r.retry_backoff_s)
+                             retry_backoff_s=r.retry_backoff_s, transport=transport)
         self.reconciler = Reconciler(self.journal, self.committer, self.clock,
                                      concurrency=settings.reconciler.concurrency,
                                      resync_interval_s=settings.reconciler.resync_interval_s,
