@@ -128,7 +128,7 @@ def test_the_adding_a_workflow_recipe_runs(tmp_path: Path) -> None:
     import subprocess
     import sys
     script = tmp_path / "recipe.py"
-    script.write_text(_python_block(ROOT / "docs" / "architecture.md", "## 6. Adding a workflow") + "\n"
+    script.write_text(_python_block(ROOT / "docs" / "architecture.md", "## 7. Adding a workflow") + "\n"
                       + _RECIPE_HARNESS)
     done = subprocess.run([sys.executable, str(script), str(tmp_path / "j.db")], cwd=ROOT, capture_output=True,
                           text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT),
