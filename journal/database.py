@@ -38,7 +38,9 @@ from .types import dumps, loads
 from .writer import AsyncWriter, Buffered, SqliteWriter, SqliteWriterThread, Writer, sqlite_pragmas
 
 Backend = Literal["sqlite", "postgresql"]
-Clock = Callable[[], datetime]
+#: What the journal reads its timestamps from (a function; the orchestrator passes its clock's ``now``,
+#: :class:`engine.runtime.clock.Clock`).
+Now = Callable[[], datetime]
 
 #: Accepted spellings and the async driver each one maps to.
 _SCHEMES: dict[str, tuple[Backend, str]] = {
@@ -328,7 +330,7 @@ class Journal:
     """
 
     def __init__(self, engine: AsyncEngine, url: JournalURL, *, kinds: KindRegistry | None = None,
-                 clock: Clock = utcnow, actor: str = "tidelog", busy_timeout_ms: int = 5000,
+                 clock: Now = utcnow, actor: str = "tidelog", busy_timeout_ms: int = 5000,
                  read_only: bool = False) -> None:
         self.engine = engine
         self.url = url
@@ -342,7 +344,7 @@ class Journal:
                                if url.backend == "sqlite" and not read_only else None)
 
     @classmethod
-    def open(cls, raw_url: str, *, kinds: KindRegistry | None = None, clock: Clock = utcnow,
+    def open(cls, raw_url: str, *, kinds: KindRegistry | None = None, clock: Now = utcnow,
              actor: str = "tidelog", busy_timeout_ms: int = 5000, pool_size: int = 5,
              read_only: bool = False) -> Journal:
         """Build a journal for ``raw_url`` (no connection is made until first use).

@@ -6,7 +6,7 @@ with ``TIDELOG_CONTROL_TOKEN`` in its environment, reads the port from its
 ``listening on http://127.0.0.1:PORT`` line, and sends its log (stderr) to a file, whose
 tail an error quotes. :class:`Procs` starts them for one test and kills every one it
 started at the end. :func:`start_stack` starts the four servers of the reference task
-wired together; :class:`Controller` calls their checkpoint routes and data planes.
+wired together; :class:`ParticipantClient` calls their checkpoint routes and data planes.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ async def start_stack(procs: Procs, dirs: dict[str, Path], *, env_delay: float =
     return Stack({"environment": env, "model": model, "agent": agent, "resources": resources})
 
 
-class Controller:
+class ParticipantClient:
     """HTTP calls a controller (or a test) makes: checkpoint routes with the bearer, data routes."""
 
     def __init__(self, http: aiohttp.ClientSession) -> None:

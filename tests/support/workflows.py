@@ -32,7 +32,7 @@ from engine.runtime.service import Orchestrator
 from journal import Journal, audit, models
 from journal.writes import to_row
 from tests.support.audit_sql import queries
-from tests.support.reference_procs import KINDS, TOKEN, Controller, Procs, Stack
+from tests.support.reference_procs import KINDS, TOKEN, ParticipantClient, Procs, Stack
 from workers.protocol import EpisodeId
 
 
@@ -46,9 +46,9 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
 
 
 @pytest.fixture
-async def controller() -> AsyncIterator[Controller]:
+async def controller() -> AsyncIterator[ParticipantClient]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
-        yield Controller(http)
+        yield ParticipantClient(http)
 
 
 def urls(stack: Stack) -> dict[str, str]:
@@ -154,7 +154,7 @@ async def add_rollouts(orch: Orchestrator, tasks: Mapping[str, Any]) -> None:
     await orch.committer.run(create)
 
 
-async def closed_executions(c: Controller, stack: Stack, checkpoint_id: str,
+async def closed_executions(c: ParticipantClient, stack: Stack, checkpoint_id: str,
                             timeout: float = 30.0) -> dict[str, dict[str, dict[str, int]]]:
     """Every participant's ``executions`` while ``checkpoint_id`` holds the policy model closed.
 

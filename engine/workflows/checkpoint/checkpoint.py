@@ -82,7 +82,10 @@ log = logging.getLogger("tidelog.checkpoint")
 
 
 @dataclass(frozen=True)
-class CheckpointSettings:
+class CheckpointTimeouts:
+    """The checkpoint controller's deadlines (from the `checkpoint` section; not the participant kit's
+    `workers.participant.CheckpointSettings`)."""
+
     prepare_timeout_s: float = 30.0
     commit_timeout_s: float = 120.0
     resume_timeout_s: float = 30.0
@@ -141,8 +144,8 @@ async def start_checkpoint(tx: WriteTx, checkpoint_id: str, checkpoint_dir: str,
 class CheckpointController(BaseController):
     kind = KIND
 
-    def __init__(self, settings: CheckpointSettings | None = None) -> None:
-        self.settings = settings or CheckpointSettings()
+    def __init__(self, settings: CheckpointTimeouts | None = None) -> None:
+        self.settings = settings or CheckpointTimeouts()
         # The calls of each checkpoint's current step not yet seen settled (see open_calls).
         self._open = OpenCalls()
         # Checkpoint id -> (its version, its members as of that version), as this controller's
@@ -555,5 +558,5 @@ def next_try_id(checkpoint_id: str, try_number: int) -> str:
     return f"{base}-try{try_number}"
 
 
-__all__ = ["MEMBERS", "STAGES", "CheckpointController", "CheckpointSettings", "PublishFailed", "member_id",
+__all__ = ["MEMBERS", "STAGES", "CheckpointController", "CheckpointTimeouts", "PublishFailed", "member_id",
            "next_try_id", "retirement_id", "start_checkpoint"]

@@ -9,7 +9,7 @@ from journal import EntityKind, machines, models
 from engine.runtime.reconciler import Controller
 from engine.runtime.workflow import Deps, Parts, Workflow, register
 from engine.workflows.checkpoint.api import add_workflow_routes
-from engine.workflows.checkpoint.checkpoint import CheckpointController, CheckpointSettings
+from engine.workflows.checkpoint.checkpoint import CheckpointController, CheckpointTimeouts
 from engine.workflows.checkpoint.cli import add_commands
 from engine.workflows.checkpoint.names import STAGE_NAMES
 from engine.workflows.checkpoint.restore import RestoreController, RestoreSettings
@@ -23,7 +23,7 @@ NAME = "checkpoint"
 def build(deps: Deps) -> Parts:
     c = deps.settings.checkpoint
     controllers: list[Controller] = [
-        CheckpointController(CheckpointSettings(c.prepare_timeout_s, c.commit_timeout_s, c.resume_timeout_s)),
+        CheckpointController(CheckpointTimeouts(c.prepare_timeout_s, c.commit_timeout_s, c.resume_timeout_s)),
         RestoreController(RestoreSettings(c.restore_timeout_s, c.resume_timeout_s)),
         RetirementController(RetirementSettings(c.retire_timeout_s))]
     return Parts(controllers=controllers)

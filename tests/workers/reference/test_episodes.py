@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.reference_procs import KINDS, Controller, Procs, Stack, deadline, start_stack
+from tests.support.reference_procs import KINDS, ParticipantClient, Procs, Stack, deadline, start_stack
 from tests.support.workflows import by_rollout, steps_of
 from workers.protocol import EpisodeId
 from workers.reference.model import action_for
@@ -42,7 +42,7 @@ def state_dirs(root: Path) -> dict[str, Path]:
     return {kind: root / kind for kind in KINDS}
 
 
-async def test_full_episode_runs_every_step_once(procs: Procs, controller: Controller, tmp_path: Path) -> None:
+async def test_full_episode_runs_every_step_once(procs: Procs, controller: ParticipantClient, tmp_path: Path) -> None:
     stack = await start_stack(procs, state_dirs(tmp_path / "state"))
     task = {"prompt": "a whole episode", "turns": TURNS}
 
@@ -78,7 +78,7 @@ class Checkpointed:
         self.results: list[dict[str, Any]] = []
 
 
-async def checkpoint_crash_restore(c: Controller, procs: Procs, stack: Stack, dirs: dict[str, Path],
+async def checkpoint_crash_restore(c: ParticipantClient, procs: Procs, stack: Stack, dirs: dict[str, Path],
                                    tasks: dict[str, dict[str, Any]], runs: list[asyncio.Task[Any]],
                                    checkpoint_dir: Path) -> Checkpointed:
     """As the controller: checkpoint the stack mid-episode, SIGKILL it, restore fresh processes on the
@@ -141,7 +141,7 @@ def assert_every_step_once(seen: Checkpointed, tasks: dict[str, dict[str, Any]])
 
 
 async def test_checkpoint_mid_episode_then_sigkill_continues_every_step_once(
-        procs: Procs, controller: Controller, tmp_path: Path) -> None:
+        procs: Procs, controller: ParticipantClient, tmp_path: Path) -> None:
     c = controller
     # What uninterrupted runs of the same tasks give, on a separate clean set of servers.
     clean = await start_stack(procs, state_dirs(tmp_path / "clean"))
@@ -179,7 +179,7 @@ async def test_checkpoint_mid_episode_then_sigkill_continues_every_step_once(
 
 
 async def test_response_held_at_checkpoint_is_generated_again_after_crash(
-        procs: Procs, controller: Controller, tmp_path: Path) -> None:
+        procs: Procs, controller: ParticipantClient, tmp_path: Path) -> None:
     """A policy call generating when the checkpoint closes is held, left out of the commit and,
     after the crash, asked again: its step completes once, in the new processes."""
     c = controller

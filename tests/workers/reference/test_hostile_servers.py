@@ -19,7 +19,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.support.reference_procs import REPO, TOKEN, Controller, Procs, deadline
+from tests.support.reference_procs import REPO, TOKEN, ParticipantClient, Procs, deadline
 
 UNREACHABLE = "http://127.0.0.1:9"
 MINIMAL_ARGS = {
@@ -124,7 +124,7 @@ async def test_data_routes_bound_bodies_and_fields(procs: Procs, tmp_path: Path)
     for url in (f"{resources.url}/ng-rollout/r1/seed_session", f"{agent.url}/ng-rollout/r1/v1/agent_sessions"):
         status, body = await _post_raw(url, b'{"prompt": "' + long_prompt.encode() + b'"}')
         assert status == 422 and "prompt" in body["error"]["detail"], (url, body)  # type: ignore[index]
-    c = Controller(aiohttp.ClientSession())
+    c = ParticipantClient(aiohttp.ClientSession())
     try:
         assert (await c.status(resources.url))["session_states"] == 0
         # Unknown routes and wrong methods answer in the JSON shape too.
@@ -140,7 +140,7 @@ async def test_data_routes_bound_bodies_and_fields(procs: Procs, tmp_path: Path)
 async def test_the_checkpoint_root_flag_confines_commits(procs: Procs, tmp_path: Path) -> None:
     root = tmp_path / "elsewhere"
     res = await procs.astart("resources", tmp_path / "r", "--checkpoint-root", str(root))
-    c = Controller(aiohttp.ClientSession())
+    c = ParticipantClient(aiohttp.ClientSession())
     try:
         await c.ok(res.url, "prepare", {"checkpoint_id": "c1", "deadline_ts": deadline()})
         status, body = await c.control(res.url, "commit", {"checkpoint_id": "c1", "deadline_ts": deadline(),

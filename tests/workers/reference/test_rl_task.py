@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.reference_procs import Controller, Procs
+from tests.support.reference_procs import ParticipantClient, Procs
 from tests.workers.inference.engines import EngineProc
 from workers.inference.reference import GenerateBody
 from workers.inference.serving import ReferenceEngineState
@@ -40,7 +40,7 @@ async def test_the_engine_samples_reproducibly_and_stays_greedy_by_default() -> 
 
 
 @pytest.mark.slow
-async def test_the_model_generates_its_actions_on_the_engine(procs: Procs, controller: Controller,
+async def test_the_model_generates_its_actions_on_the_engine(procs: Procs, controller: ParticipantClient,
                                                              tmp_path: Path) -> None:
     engine = EngineProc(["--port", "0"], tmp_path / "engine.log").start()
     try:

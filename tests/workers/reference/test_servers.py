@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.reference_procs import REPO, TOKEN, Controller, Procs, deadline
+from tests.support.reference_procs import REPO, TOKEN, ParticipantClient, Procs, deadline
 from workers.participant.kinds.agent import RESTART_HEADER
 from workers.participant.kinds.resources import VERIFY_HEADER
 
@@ -30,7 +30,7 @@ DATA_REQUESTS: dict[str, tuple[tuple[str, ...], str, dict[str, Any]]] = {
 
 @pytest.mark.parametrize("kind", sorted(DATA_REQUESTS))
 async def test_retired_attempt_is_refused_after_sigkill_until_forget(
-        kind: str, procs: Procs, controller: Controller, tmp_path: Path) -> None:
+        kind: str, procs: Procs, controller: ParticipantClient, tmp_path: Path) -> None:
     c = controller
     args, path, body = DATA_REQUESTS[kind]
     state = tmp_path / "state"
@@ -60,7 +60,7 @@ async def test_retired_attempt_is_refused_after_sigkill_until_forget(
     ("resources", ("--mode", "restart_only"), "/ng-rollout/r1/seed_session"),
 ])
 async def test_restart_only_servers_mark_their_sessions_restarts(
-        kind: str, args: tuple[str, ...], path: str, procs: Procs, controller: Controller, tmp_path: Path) -> None:
+        kind: str, args: tuple[str, ...], path: str, procs: Procs, controller: ParticipantClient, tmp_path: Path) -> None:
     c = controller
     proc = procs.start(kind, tmp_path / "state", *args)
     async with c.http.post(f"{proc.url}{path}", json={"prompt": "hi"}) as resp:
@@ -75,7 +75,7 @@ async def test_restart_only_servers_mark_their_sessions_restarts(
     await c.ok(proc.url, "resume", {"checkpoint_id": "ckpt-1", "deadline_ts": deadline()})
 
 
-async def test_resources_seed_reply_says_the_verify_mode(procs: Procs, controller: Controller,
+async def test_resources_seed_reply_says_the_verify_mode(procs: Procs, controller: ParticipantClient,
                                                          tmp_path: Path) -> None:
     proc = procs.start("resources", tmp_path / "state", "--verify-mode", "replay")
     async with controller.http.post(f"{proc.url}/ng-rollout/r1/seed_session", json={"prompt": "hi"}) as resp:
@@ -91,7 +91,7 @@ async def test_resources_seed_reply_says_the_verify_mode(procs: Procs, controlle
 
 
 async def test_agent_retries_a_parked_model_and_stays_at_its_boundary(
-        procs: Procs, controller: Controller, tmp_path: Path) -> None:
+        procs: Procs, controller: ParticipantClient, tmp_path: Path) -> None:
     """While the model's checkpoint is open it refuses new calls; the agent asks again, at its
     boundary (not blocking its own checkpoint), and completes the turn once the model resumes."""
     c = controller

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from tests.support.reference_procs import TOKEN, Controller, Procs
+from tests.support.reference_procs import TOKEN, ParticipantClient, Procs
 
 
 async def _trickle_head(host: str, port: int) -> bool:
@@ -46,7 +46,7 @@ async def _trickle_body(host: str, port: int, path: str) -> tuple[int, dict[str,
     return int(head.split(b" ", 2)[1]), json.loads(body)
 
 
-async def test_slow_heads_and_bodies_are_cut_off(procs: Procs, controller: Controller, tmp_path: Path) -> None:
+async def test_slow_heads_and_bodies_are_cut_off(procs: Procs, controller: ParticipantClient, tmp_path: Path) -> None:
     server = await procs.astart("resources", tmp_path / "state", "--header-timeout-s", "1", "--body-timeout-s", "1")
     url = urlsplit(server.url)
     host, port = url.hostname or "127.0.0.1", int(url.port or 0)

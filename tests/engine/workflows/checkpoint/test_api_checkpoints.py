@@ -25,7 +25,7 @@ from engine.workflows.checkpoint.retirement import RetirementController, Retirem
 from engine.runtime.service import Orchestrator
 from journal import Journal, models
 from tests.support.participant_server import StatusServer
-from tests.support.reference_procs import KINDS, TOKEN, Controller, Procs, start_stack
+from tests.support.reference_procs import KINDS, TOKEN, ParticipantClient, Procs, start_stack
 from tests.support.workflows import settings, state_dirs
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -98,7 +98,7 @@ async def count_events(journal_url: str) -> int:
 
 @pytest.mark.slow
 async def test_a_checkpoint_started_through_the_api_is_published_and_shown(
-        journal_url: str, procs: Procs, controller: Controller, tmp_path: Path) -> None:
+        journal_url: str, procs: Procs, controller: ParticipantClient, tmp_path: Path) -> None:
     stack = await start_stack(procs, state_dirs(tmp_path / "state"), env_delay=0.2)
     runs = [asyncio.create_task(controller.run(stack.url("environment"), f"r{i}", {"prompt": f"p{i}", "turns": 3}))
             for i in range(3)]
@@ -156,7 +156,7 @@ async def test_a_checkpoint_started_through_the_api_is_published_and_shown(
 
 @pytest.mark.slow
 async def test_an_open_checkpoint_is_aborted_through_the_api(
-        journal_url: str, procs: Procs, controller: Controller, tmp_path: Path) -> None:
+        journal_url: str, procs: Procs, controller: ParticipantClient, tmp_path: Path) -> None:
     # Each step takes 3 s: 3.5 s in, the episode is inside a wait step for 2.5 s more, so the
     # environment cannot prepare; with a 60 s prepare deadline the checkpoint would stay open a minute.
     stack = await start_stack(procs, state_dirs(tmp_path / "state"), env_delay=3.0)
@@ -200,7 +200,7 @@ async def test_an_open_checkpoint_is_aborted_through_the_api(
 
 @pytest.mark.slow
 async def test_a_published_checkpoint_is_restored_through_the_api_into_fresh_participants(
-        journal_url: str, procs: Procs, controller: Controller, tmp_path: Path) -> None:
+        journal_url: str, procs: Procs, controller: ParticipantClient, tmp_path: Path) -> None:
     dirs = state_dirs(tmp_path / "state")
     stack = await start_stack(procs, dirs, env_delay=0.2)
     runs = [asyncio.create_task(controller.run(stack.url("environment"), f"r{i}", {"prompt": f"p{i}", "turns": 3}))

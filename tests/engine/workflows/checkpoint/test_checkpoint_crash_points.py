@@ -34,7 +34,7 @@ from engine.demos.checkpoint import all_steps, checkpointed_steps
 from engine.runtime.service import Orchestrator
 from journal import Journal, StateMachine, audit, machines, models
 from tests.engine.runtime.test_crash_recovery import new_journal_url
-from tests.support.reference_procs import Controller, Procs, Stack, start_stack
+from tests.support.reference_procs import ParticipantClient, Procs, Stack, start_stack
 from tests.support.workflows import audit_rows, rpc_calls, settings, wait_healthy, wait_terminal
 from workers.protocol import EpisodeId
 
@@ -99,7 +99,7 @@ async def run_and_check(backend: str, request: pytest.FixtureRequest, path: Path
 # -- checkpoint -------------------------------------------------------------------------------------
 
 async def checkpoint_run(backend: str, request: pytest.FixtureRequest, tmp_path: Path, stack: Stack,
-                         controller: Controller, tag: str, crash_at: str | None) -> tuple[set[str], list[int]]:
+                         controller: ParticipantClient, tag: str, crash_at: str | None) -> tuple[set[str], list[int]]:
     """Checkpoint ``ck-<tag>`` of two live episodes, after a retire of a third (``<tag>-x``) finished.
 
     The worker retires ``<tag>-x`` (attempt 0) as ``pre-ck-<tag>`` and starts the checkpoint once that
@@ -205,7 +205,7 @@ async def restore_every_checkpoint(backend: str, request: pytest.FixtureRequest,
 
 
 async def test_every_checkpoint_crash_point_recovers(backend: str, request: pytest.FixtureRequest, procs: Procs,
-                                                      controller: Controller, tmp_path: Path) -> None:
+                                                      controller: ParticipantClient, tmp_path: Path) -> None:
     stack = await start_stack(procs, {k: tmp_path / "state" / k for k in KINDS}, env_delay=0.1)
     reached, codes = await checkpoint_run(backend, request, tmp_path, stack, controller, "clean", None)
     assert codes == [0]
@@ -224,7 +224,7 @@ async def test_every_checkpoint_crash_point_recovers(backend: str, request: pyte
 # -- restore ----------------------------------------------------------------------------------------
 
 async def test_every_restore_crash_point_recovers(backend: str, request: pytest.FixtureRequest, procs: Procs,
-                                                   controller: Controller, tmp_path: Path) -> None:
+                                                   controller: ParticipantClient, tmp_path: Path) -> None:
     # One uncrashed checkpoint of episodes mid-way; its source processes are then SIGKILLed.
     source = await start_stack(procs, {k: tmp_path / "source" / k for k in KINDS}, env_delay=0.2)
     # Long enough to be mid-way when the worker (a fresh process) prepares.
@@ -274,7 +274,7 @@ async def test_every_restore_crash_point_recovers(backend: str, request: pytest.
 # -- retire and forget ------------------------------------------------------------------------------
 
 async def test_every_retire_and_forget_crash_point_recovers(backend: str, request: pytest.FixtureRequest,
-                                                            procs: Procs, controller: Controller,
+                                                            procs: Procs, controller: ParticipantClient,
                                                             tmp_path: Path) -> None:
     stack = await start_stack(procs, {k: tmp_path / "state" / k for k in KINDS}, env_delay=0.1)
     env = stack.url("environment")

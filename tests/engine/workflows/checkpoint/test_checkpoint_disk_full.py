@@ -23,7 +23,7 @@ import pytest
 
 from engine.runtime.service import Orchestrator
 from journal import Committed, audit, models
-from tests.support.reference_procs import Controller, Procs, start_stack
+from tests.support.reference_procs import ParticipantClient, Procs, start_stack
 from tests.support.tmpfs import fill, mounted_tmpfs, remount_read_only
 from tests.support.workflows import events, run_checkpoint, settings, state_dirs, table, until
 
@@ -49,7 +49,7 @@ def break_disk(where: Path, fault: str) -> None:
 
 @pytest.mark.parametrize("fault", sorted(FAULTS))
 async def test_a_publish_that_cannot_write_aborts_and_resumes_everyone(
-        journal_url: str, procs: Procs, controller: Controller, tmp_path: Path, tmpfs: Path, fault: str,
+        journal_url: str, procs: Procs, controller: ParticipantClient, tmp_path: Path, tmpfs: Path, fault: str,
         caplog: pytest.LogCaptureFixture) -> None:
     stack = await start_stack(procs, state_dirs(tmp_path / "state"), env_delay=0.2)
     orch = Orchestrator(settings(journal_url, stack))

@@ -19,7 +19,7 @@ from engine.runtime.service import Orchestrator
 from journal import WriteTx, models
 from journal.writes import to_row
 from tests.support.fault_participant import FaultyParticipant
-from tests.support.reference_procs import TOKEN, Controller, Procs, Stack, start_stack
+from tests.support.reference_procs import TOKEN, ParticipantClient, Procs, Stack, start_stack
 
 KINDS = ("environment", "model", "agent", "resources")
 pytestmark = pytest.mark.slow
@@ -80,7 +80,7 @@ async def stack(procs: Procs, tmp_path: Path) -> Stack:
 
 
 async def assert_ended_cleanly(row: dict[str, Any], members: dict[str, Any], stack: Stack,
-                               controller: Controller, reason: str) -> None:
+                               controller: ParticipantClient, reason: str) -> None:
     assert row["state"] == "aborted", row
     assert "faulty-0" in row["detail"] and reason in row["detail"], row["detail"]
     assert all(m["state"] == "resumed" for m in members.values()), members
@@ -91,7 +91,7 @@ async def assert_ended_cleanly(row: dict[str, Any], members: dict[str, Any], sta
 
 @pytest.mark.parametrize("fault,reason", [("error", "500"), ("hang", "no reply")])
 async def test_a_participant_that_fails_or_never_answers_aborts_the_checkpoint(
-        journal_url: str, stack: Stack, controller: Controller, tmp_path: Path, fault: str, reason: str) -> None:
+        journal_url: str, stack: Stack, controller: ParticipantClient, tmp_path: Path, fault: str, reason: str) -> None:
     faulty = await FaultyParticipant(fault, tmp_path / "faulty").start()
     try:
         row, members = await checkpoint_with(journal_url, stack, faulty, tmp_path / "ckpts", prepare_timeout_s=1.0)
@@ -102,7 +102,7 @@ async def test_a_participant_that_fails_or_never_answers_aborts_the_checkpoint(
 
 
 async def test_a_participant_that_is_down_aborts_the_checkpoint(
-        journal_url: str, stack: Stack, controller: Controller, tmp_path: Path) -> None:
+        journal_url: str, stack: Stack, controller: ParticipantClient, tmp_path: Path) -> None:
     faulty = await FaultyParticipant("none", tmp_path / "faulty").start()
     row, members = await checkpoint_with(journal_url, stack, faulty, tmp_path / "ckpts", prepare_timeout_s=1.0,
                                          before=faulty.stop)
@@ -111,7 +111,7 @@ async def test_a_participant_that_is_down_aborts_the_checkpoint(
 
 
 async def test_a_lease_that_expires_mid_checkpoint_aborts_it(
-        journal_url: str, procs: Procs, controller: Controller, tmp_path: Path) -> None:
+        journal_url: str, procs: Procs, controller: ParticipantClient, tmp_path: Path) -> None:
     # The environment's lease lasts 0.3 s past its stage deadline; the slow resources-stage member
     # holds the orchestrator past it, so the environment resumes by itself and its commit is stale.
     model, resources = await asyncio.gather(procs.astart("model", tmp_path / "m"),

@@ -16,7 +16,7 @@ from engine.workflows.checkpoint.checkpoint import start_checkpoint
 from engine.runtime.service import Orchestrator
 from journal import audit, models
 from tests.support.audit_sql import queries
-from tests.support.reference_procs import Controller, Procs, start_stack
+from tests.support.reference_procs import ParticipantClient, Procs, start_stack
 from tests.support.workflows import settings, table, until
 
 pytestmark = pytest.mark.slow
@@ -60,7 +60,7 @@ async def run_checkpoint(orch: Orchestrator, checkpoint_id: str, directory: Path
 
 
 async def test_a_checkpoint_mid_episode_is_published_and_everyone_resumed(
-        journal_url: str, procs: Procs, controller: Controller, tmp_path: Path) -> None:
+        journal_url: str, procs: Procs, controller: ParticipantClient, tmp_path: Path) -> None:
     stack = await start_stack(procs, {k: tmp_path / "state" / k for k in
                                       ("environment", "model", "agent", "resources")}, env_delay=0.2)
     runs = [asyncio.create_task(controller.run(stack.url("environment"), f"r{i}", {"prompt": f"p{i}", "turns": 4}))
@@ -112,7 +112,7 @@ async def test_a_checkpoint_mid_episode_is_published_and_everyone_resumed(
 
 
 async def test_a_stage_that_misses_its_deadline_aborts_with_its_blockers(
-        journal_url: str, procs: Procs, controller: Controller, tmp_path: Path) -> None:
+        journal_url: str, procs: Procs, controller: ParticipantClient, tmp_path: Path) -> None:
     # Each step takes 2 s: 2.5 s in, the episode is inside its first `check`, a wait step.
     stack = await start_stack(procs, {k: tmp_path / "state" / k for k in
                                       ("environment", "model", "agent", "resources")}, env_delay=2.0)
@@ -144,7 +144,7 @@ async def test_a_stage_that_misses_its_deadline_aborts_with_its_blockers(
 
 
 async def test_a_straggler_is_retired_and_the_checkpoint_retried_under_a_new_id(
-        journal_url: str, procs: Procs, controller: Controller, tmp_path: Path) -> None:
+        journal_url: str, procs: Procs, controller: ParticipantClient, tmp_path: Path) -> None:
     stack = await start_stack(procs, {k: tmp_path / "state" / k for k in
                                       ("environment", "model", "agent", "resources")}, env_delay=2.0)
     run = asyncio.create_task(controller.post(stack.url("environment"), "/run",

@@ -17,7 +17,7 @@ import yaml
 
 from tests.engine.workflows.checkpoint.test_api_checkpoints import call, light_settings, served, until, wait_healthy
 from tests.support.participant_server import StatusServer
-from tests.support.reference_procs import KINDS, TOKEN, Controller, Procs, start_stack
+from tests.support.reference_procs import KINDS, TOKEN, ParticipantClient, Procs, start_stack
 from tests.support.workflows import settings, state_dirs
 
 ROOT = Path(__file__).resolve().parents[4]
@@ -37,7 +37,7 @@ async def tidelog(*args: str, token: str | None = TOKEN, timeout: float = 120) -
 
 @pytest.mark.slow
 async def test_checkpoint_wait_shows_progress_and_exits_0_then_retire_and_forget(
-        journal_url: str, procs: Procs, controller: Controller, tmp_path: Path) -> None:
+        journal_url: str, procs: Procs, controller: ParticipantClient, tmp_path: Path) -> None:
     stack = await start_stack(procs, state_dirs(tmp_path / "state"), env_delay=0.2)
     runs = [asyncio.create_task(controller.run(stack.url("environment"), f"r{i}", {"prompt": f"p{i}", "turns": 3}))
             for i in range(2)]
@@ -80,7 +80,7 @@ async def test_checkpoint_wait_shows_progress_and_exits_0_then_retire_and_forget
 
 @pytest.mark.slow
 async def test_a_checkpoint_aborted_from_another_command_exits_1_with_the_reason(
-        journal_url: str, procs: Procs, controller: Controller, tmp_path: Path) -> None:
+        journal_url: str, procs: Procs, controller: ParticipantClient, tmp_path: Path) -> None:
     # Each step takes 4 s: 4.5 s in, the episode is inside its first `check`, a wait step, for 3.5 s
     # more: the environment cannot prepare (the command's own start-up takes a second of that).
     stack = await start_stack(procs, state_dirs(tmp_path / "state"), env_delay=4.0)

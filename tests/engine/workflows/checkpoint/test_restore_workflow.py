@@ -17,7 +17,7 @@ from engine.workflows.checkpoint.restore import (CheckpointNotFound, RestoreCont
 from engine.runtime.service import Orchestrator
 from journal import models
 from tests.support.checkpoints import corrupt_manifest
-from tests.support.reference_procs import KINDS, Controller, Procs, Stack, start_stack
+from tests.support.reference_procs import KINDS, ParticipantClient, Procs, Stack, start_stack
 from tests.support.workflows import (
     rpc_calls,
     add_rollouts,
@@ -45,7 +45,7 @@ def orchestrator(journal_url: str, stack: Stack) -> Orchestrator:
                         controllers=[RestoreController(RestoreSettings(restore_timeout_s=20, resume_timeout_s=10))])
 
 
-async def start_episodes(c: Controller, stack: Stack) -> list[asyncio.Task[Any]]:
+async def start_episodes(c: ParticipantClient, stack: Stack) -> list[asyncio.Task[Any]]:
     """Every task started as attempt 0, staggered, and mid-way when this returns."""
     env = stack.url("environment")
 
@@ -64,7 +64,7 @@ async def start_episodes(c: Controller, stack: Stack) -> list[asyncio.Task[Any]]
     return runs
 
 
-async def checkpoint_then_crash(journal_url: str, c: Controller, stack: Stack, directory: Path
+async def checkpoint_then_crash(journal_url: str, c: ParticipantClient, stack: Stack, directory: Path
                                 ) -> dict[str, dict[str, dict[str, int]]]:
     """Checkpoint ``ck-1`` mid-episode through an orchestrator, then SIGKILL every server.
     Returns the executions the checkpoint holds (see ``closed_executions``)."""
@@ -101,7 +101,7 @@ async def restore(journal_url: str, stack: Stack, directory: Path, restore_id: s
 
 
 async def test_a_restore_after_sigkill_continues_every_episode_exactly_once(
-        journal_url: str, procs: Procs, controller: Controller, tmp_path: Path) -> None:
+        journal_url: str, procs: Procs, controller: ParticipantClient, tmp_path: Path) -> None:
     c = controller
     clean = await start_stack(procs, state_dirs(tmp_path / "clean"))
     expected = dict(zip(TASKS, await asyncio.gather(
@@ -153,7 +153,7 @@ async def test_a_restore_after_sigkill_continues_every_episode_exactly_once(
 
 
 async def test_a_restore_refused_by_one_participant_rolls_back_everywhere(
-        journal_url: str, procs: Procs, controller: Controller, tmp_path: Path) -> None:
+        journal_url: str, procs: Procs, controller: ParticipantClient, tmp_path: Path) -> None:
     c = controller
     dirs = state_dirs(tmp_path / "state")
     stack = await start_stack(procs, dirs, env_delay=0.2, model_delay=0.05)

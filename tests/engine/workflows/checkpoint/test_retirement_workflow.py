@@ -16,7 +16,7 @@ from engine.workflows.checkpoint.checkpoint import start_checkpoint
 from engine.workflows.checkpoint.retirement import (RETIRE_ORDER, InvalidRetirement, RetirementController, RetirementSettings, request_retirement)
 from engine.runtime.service import Orchestrator
 from journal import models
-from tests.support.reference_procs import KINDS, Controller, Procs, Stack, start_stack
+from tests.support.reference_procs import KINDS, ParticipantClient, Procs, Stack, start_stack
 from tests.support.workflows import (
     rpc_calls,
     add_rollouts,
@@ -63,7 +63,7 @@ def assert_callers_first(stages: list[list[dict[str, Any]]], op: str) -> None:
 
 
 async def test_retire_waits_for_the_checkpoint_then_forget_lifts_the_marks(
-        journal_url: str, procs: Procs, controller: Controller, tmp_path: Path) -> None:
+        journal_url: str, procs: Procs, controller: ParticipantClient, tmp_path: Path) -> None:
     c = controller
     stack = await start_stack(procs, state_dirs(tmp_path / "state"), env_delay=0.3)
     orch = Orchestrator(settings(journal_url, stack, prepare_timeout_s=10),
@@ -137,7 +137,7 @@ async def test_retire_waits_for_the_checkpoint_then_forget_lifts_the_marks(
 
 
 async def test_a_retire_a_participant_refuses_fails_with_its_error(
-        journal_url: str, procs: Procs, controller: Controller, tmp_path: Path) -> None:
+        journal_url: str, procs: Procs, controller: ParticipantClient, tmp_path: Path) -> None:
     c = controller
     stack = await start_stack(procs, state_dirs(tmp_path / "state"))
     orch = Orchestrator(settings(journal_url, stack),

@@ -24,7 +24,7 @@ from engine.runtime.reconciler import Context
 from engine.workflows.checkpoint.checkpoint import (
     CALL_MARGIN_S,
     CheckpointController,
-    CheckpointSettings,
+    CheckpointTimeouts,
     start_checkpoint,
 )
 from journal import Journal, WriteTx, lease, models
@@ -76,7 +76,7 @@ async def test_a_checkpoint_deadline_comes_from_the_virtual_clock(ctx: Context) 
     await ctx.write(start)
     await clock.advance(7.0)  # the deadline is set at the first reconcile, not at creation
 
-    controller = CheckpointController(CheckpointSettings(prepare_timeout_s=PREPARE_S))
+    controller = CheckpointController(CheckpointTimeouts(prepare_timeout_s=PREPARE_S))
     assert (await controller.reconcile(ctx, "ck-v")).requeue_after is None
     now = clock.time()
     assert now == START.timestamp() + 7.0
