@@ -262,7 +262,7 @@ class CheckpointController(BaseController):
         except BaseException:
             self._open.forget(row.id)  # nothing written: the next reconcile reads where the calls stand
             raise
-        if after.state not in ("done", "aborted", "failed"):
+        if after.state not in machines.CHECKPOINTS.terminal:
             self._members_at[row.id] = (after.version, [_light(m) for m in _project(after, moved, moving)[1]])
         ctx.send(claimed)
 
@@ -299,7 +299,7 @@ class CheckpointController(BaseController):
     async def reconcile(self, ctx: Context, entity_id: str) -> Result:
         self._clock = ctx.clock
         row = await ctx.get(KIND, entity_id)
-        if row is None or row.state in ("done", "aborted", "failed"):
+        if row is None or row.state in machines.CHECKPOINTS.terminal:
             self._open.forget(entity_id)
             self._members_at.pop(entity_id, None)
             self._publish_tries.pop(entity_id, None)
@@ -369,7 +369,7 @@ class CheckpointController(BaseController):
     async def _retirement_pending(self, ctx: Context, retirement: str) -> Result | None:
         """A straggler retry prepares only once its predecessor's blockers are retired."""
         row = await ctx.get(RETIREMENTS, retirement)
-        if row is not None and row.state not in ("done", "failed"):
+        if row is not None and row.state not in machines.RETIREMENTS.terminal:
             return Result(requeue_after=0.25)
         return None
 

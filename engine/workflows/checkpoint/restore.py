@@ -42,6 +42,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from journal import Transition, WriteTx, models
+from journal.machines import RESTORES
 from journal.writes import Row, to_row
 from workers.protocol import CONTROL_PREFIX, ID_PATTERN, EpisodeId
 
@@ -181,7 +182,7 @@ class RestoreController(BaseController):
 
     async def reconcile(self, ctx: Context, entity_id: str) -> Result:
         row = await ctx.get(KIND, entity_id)
-        if row is None or row.state in ("done", "failed"):
+        if row is None or row.state in RESTORES.terminal:
             return Result()
         if row.state == "restoring":
             return await self._restoring(ctx, row)

@@ -39,6 +39,7 @@ import sqlalchemy as sa
 from pydantic import ValidationError
 
 from journal import Transition, WriteTx, models, outbox
+from journal.machines import CHECKPOINTS, RESTORES, RETIREMENTS
 from journal.writes import Row, to_row
 from workers.protocol import EpisodeId
 
@@ -121,7 +122,7 @@ class RetirementController(BaseController):
 
     async def reconcile(self, ctx: Context, entity_id: str) -> Result:
         row = await ctx.get(KIND, entity_id)
-        if row is None or row.state in ("done", "failed"):
+        if row is None or row.state in RETIREMENTS.terminal:
             return Result()
         if row.state == "queued":
             return await self._queued(ctx, row)
@@ -135,13 +136,13 @@ class RetirementController(BaseController):
             # A straggler retry that has not started preparing holds no participant closed: it
             # waits in that state for the retirement of its predecessor's blockers.
             checkpoint = (await conn.execute(sa.select(c.c.id).where(
-                c.c.state.not_in(("done", "aborted", "failed")),
+                c.c.state.not_in(sorted(CHECKPOINTS.terminal)),
                 sa.not_(sa.and_(c.c.state == "preparing", c.c.deadline_ts.is_(None),
                                 c.c.retry_of.is_not(None)))).limit(1))).scalar()
             restore = (await conn.execute(sa.select(r.c.id).where(
-                r.c.state.not_in(("done", "failed"))).limit(1))).scalar()
+                r.c.state.not_in(sorted(RESTORES.terminal))).limit(1))).scalar()
             earlier = (await conn.execute(sa.select(q.c.id).where(
-                q.c.state.not_in(("done", "failed")), q.c.id != row.id,
+                q.c.state.not_in(sorted(RETIREMENTS.terminal)), q.c.id != row.id,
                 sa.or_(q.c.created_at < row["created_at"],
                        sa.and_(q.c.created_at == row["created_at"], q.c.id < row.id))).limit(1))).scalar()
         if checkpoint is not None:
