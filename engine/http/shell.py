@@ -13,7 +13,7 @@ import hmac
 import json
 import math
 import secrets
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Annotated, Any, TypeVar
 
@@ -164,6 +164,35 @@ def row_json(mapping: Mapping[Any, Any]) -> dict[str, Any]:
     return {k: iso(v) for k, v in mapping.items()}
 
 
+def phases(history: Sequence[Mapping[str, Any]], terminal: Collection[str], now: datetime,
+           stage: Callable[[str, int | None], str | None] | None = None) -> list[dict[str, Any]]:
+    """Each state a row passed through, from its events (oldest first): when it began and for how
+    long (``None`` for a terminal one; up to ``now`` for the current one). A self-edge stays in the
+    same phase, unless ``stage`` (``(state, stage index) -> stage name``, the index read from the
+    events' ``set``) names another stage: then each entry also carries its ``stage``."""
+    out: list[dict[str, Any]] = []
+    began: datetime | None = None
+    index: int | None = None
+    for ev in history:
+        name: str | None = None
+        if stage is not None:
+            index = (ev["payload"] or {}).get("set", {}).get("stage", index)
+            name = stage(ev["to_state"], index)
+        if out and out[-1]["state"] == ev["to_state"] and out[-1].get("stage") == name:
+            continue  # a self-edge that changed something else (a retry, a scope)
+        if out and began is not None:
+            out[-1]["seconds"] = round((ev["ts"] - began).total_seconds(), 3)
+        began = ev["ts"]
+        entry: dict[str, Any] = {"state": ev["to_state"]}
+        if stage is not None:
+            entry["stage"] = name
+        entry.update({"at": ev["ts"].isoformat(), "seconds": None})
+        out.append(entry)
+    if out and began is not None and out[-1]["state"] not in terminal:
+        out[-1]["seconds"] = round((now - began).total_seconds(), 3)
+    return out
+
+
 def bearer_matches(header: str, token: str | None) -> bool:
     """Whether ``Authorization: <header>`` carries ``token``, in constant time. A header aiohttp
     could not decode as UTF-8 (it keeps such bytes as surrogates) is simply not the token."""
@@ -209,4 +238,4 @@ def typed(handler: Handler, refusals: Refusals | None = None) -> Handler:
 
 
 __all__ = ["ApiError", "Body", "Directory", "Handler", "MAX_DEPTH", "Refusals", "bearer_matches", "check_json", "error", "iso",
-           "new_id", "read_body", "refuse_nul", "row_json", "shown", "typed", "validation_error"]
+           "new_id", "phases", "read_body", "refuse_nul", "row_json", "shown", "typed", "validation_error"]

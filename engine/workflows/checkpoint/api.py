@@ -36,8 +36,8 @@ from workers.protocol import CheckpointId, EpisodeId
 
 from engine.http.listing import lister as list_rows
 from engine.http.query import QueryError, single_values
-from engine.http.shell import (ApiError, Body, Directory, Handler, Refusals, iso, new_id, read_body, row_json,
-                               shown, typed)
+from engine.http.shell import (ApiError, Body, Directory, Handler, Refusals, iso, new_id, phases, read_body,
+                               row_json, shown, typed)
 from engine.workflows.checkpoint.checkpoint import STAGES, start_checkpoint
 from engine.workflows.checkpoint.confined import DirectoryRefused, confine, roots
 from engine.workflows.checkpoint.confined import run as run_file_work
@@ -112,20 +112,9 @@ def timings_json(kind: str, row: Mapping[Any, Any], now: datetime) -> dict[str, 
 def phases_json(kind: str, history: list[dict[str, Any]], now: datetime) -> list[dict[str, Any]]:
     """Each state (and stage, while staged) the row passed through, from its events: when it began
     and for how long."""
-    out: list[dict[str, Any]] = []
-    stage: int | None = None
-    for ev in history:
-        sets = (ev["payload"] or {}).get("set", {})
-        stage = sets.get("stage", stage)
-        name = stage_name(kind, stage) if ev["to_state"] in STAGED else None
-        if out and out[-1]["state"] == ev["to_state"] and out[-1]["stage"] == name:
-            continue  # a self-edge that changed something else (the scope)
-        if out:
-            out[-1]["seconds"] = round((ev["ts"] - datetime.fromisoformat(out[-1]["at"])).total_seconds(), 3)
-        out.append({"state": ev["to_state"], "stage": name, "at": ev["ts"].isoformat(), "seconds": None})
-    if out and out[-1]["state"] not in TERMINAL[kind]:
-        out[-1]["seconds"] = round((now - datetime.fromisoformat(out[-1]["at"])).total_seconds(), 3)
-    return out
+    def stage(state: str, index: int | None) -> str | None:
+        return stage_name(kind, index) if state in STAGED else None
+    return phases(history, TERMINAL[kind], now, stage)
 
 
 def workflow_json(kind: str, row: Mapping[Any, Any], now: datetime) -> dict[str, Any]:

@@ -29,8 +29,7 @@ resolution cannot reach the trainer to verify its checkpoint.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from datetime import datetime
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import sqlalchemy as sa
@@ -42,7 +41,7 @@ from journal.audit import EventFilter
 
 from engine.http.listing import lister as list_rows
 from engine.http.query import QueryError, single_values
-from engine.http.shell import ApiError, Body, Directory, Handler, Refusals, read_body, row_json, shown, typed
+from engine.http.shell import ApiError, Body, Directory, Handler, Refusals, phases, read_body, row_json, shown, typed
 from engine.workflows.training import (InvalidDecision, JobClosed, JobConflict, JobNotFound, JobStateRefused, TrainingPayloadError, reject_job, resolve_job, submit_job)
 from engine.workflows.training.wiring import TrainingParts
 
@@ -105,23 +104,6 @@ def job_json(mapping: Mapping[Any, Any], terminal: frozenset[str], *, payload: b
     if not payload:
         out.pop("payload", None)
     out["terminal"] = mapping["state"] in terminal
-    return out
-
-
-def phases(history: Sequence[Mapping[str, Any]], terminal: frozenset[str], now: datetime) -> list[dict[str, Any]]:
-    """Each state the row passed through, from its events: when it began and for how long (a
-    self-edge, such as a retry, stays in the same phase)."""
-    out: list[dict[str, Any]] = []
-    began: datetime | None = None
-    for ev in history:
-        if out and out[-1]["state"] == ev["to_state"]:
-            continue
-        if out and began is not None:
-            out[-1]["seconds"] = round((ev["ts"] - began).total_seconds(), 3)
-        began = ev["ts"]
-        out.append({"state": ev["to_state"], "at": ev["ts"].isoformat(), "seconds": None})
-    if out and began is not None and out[-1]["state"] not in terminal:
-        out[-1]["seconds"] = round((now - began).total_seconds(), 3)
     return out
 
 
