@@ -111,3 +111,52 @@ def test_engine_top_level_holds_packages_and_config_only() -> None:
     assert modules == ["__init__.py", "config.py"], modules
     packages = sorted(p.name for p in engine.iterdir() if p.is_dir() and (p / "__init__.py").exists())
     assert packages == ["cli", "demos", "http", "runtime", "workflows"], packages
+
+
+def _imports_of(package: str) -> dict[str, set[str]]:
+    """Every module under ``package`` and the names it imports at run time (absolute)."""
+    out = {}
+    for path in (ROOT / package.replace(".", "/")).rglob("*.py"):
+        module = module_name(path)
+        out[module] = imported(path, module)
+    return out
+
+
+def _under(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def test_the_dependency_rule_of_docs_architecture_holds() -> None:
+    broken: list[str] = []
+    # journal: durable state only.
+    for module, names in _imports_of("journal").items():
+        for name in names:
+            if _under(name, ("aiohttp", "ray", "torch", "engine", "workers")):
+                broken.append(f"{module} imports {name}")
+    # workers never imports the orchestrator.
+    for module, names in _imports_of("workers").items():
+        broken += [f"{module} imports {name}" for name in names if _under(name, ("engine",))]
+    # engine reaches workers only through the protocol, the clients it drives and atomic writes
+    # (the demos start and use the reference stack: they may use more).
+    allowed = ("workers.protocol", "workers.executor", "workers.inference", "workers.http_limits", "workers.files")
+    for module, names in _imports_of("engine").items():
+        if module.startswith("engine.demos"):
+            continue
+        broken += [f"{module} imports {name}" for name in names
+                   if _under(name, ("workers",)) and name != "workers" and not _under(name, allowed)]
+    # The runtime core imports no family, no HTTP app and no CLI; only the service (the
+    # composition root) loads the registered families.
+    for module, names in _imports_of("engine.runtime").items():
+        if module == "engine.runtime.service":
+            continue
+        broken += [f"{module} imports {name}" for name in names
+                   if _under(name, ("engine.workflows", "engine.http", "engine.cli", "engine.demos"))]
+    # A family imports neither the composition roots nor another family.
+    for module, names in _imports_of("engine.workflows").items():
+        family = module.split(".")[2] if module.count(".") >= 2 else None
+        for name in names:
+            if _under(name, ("engine.runtime.service", "engine.http.app", "engine.cli.commands", "engine.demos")):
+                broken.append(f"{module} imports {name}")
+            elif family and name.startswith("engine.workflows.") and name.split(".")[2] != family:
+                broken.append(f"{module} imports another family: {name}")
+    assert not broken, "\n".join(sorted(broken))
