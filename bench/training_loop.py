@@ -296,7 +296,7 @@ async def steps(backend: str, tmp: Path, n: int) -> dict[str, Any]:
         peer_dir.mkdir()
         controller = TrainingController(ours_ranks, TrainingSettings(str(tmp / f"steps-{backend}-checkpoints"),
                                                                      retry_after_s=1.0))
-        orch = Orchestrator(settings(url), controllers=[controller], with_discovery=False)
+        orch = Orchestrator(settings(url), controllers=[controller], unbuilt=["discovery"])
         stamps = Stamps()
         orch.journal.add_commit_listener(stamps)
         try:
@@ -387,7 +387,7 @@ async def publication(backend: str, tmp: Path, n: int, urls: Sequence[str]) -> d
             ours_ranks, TrainingSettings(str(tmp / f"pub-{backend}-checkpoints"), retry_after_s=1.0),
             publication=(ours_engines, PublicationSettings("bench", str(tmp / f"pub-{backend}-weights"),
                                                            pause_mode=PAUSE_MODE)))
-        orch = Orchestrator(settings(url), controllers=[controller], with_discovery=False)
+        orch = Orchestrator(settings(url), controllers=[controller], unbuilt=["discovery"])
         stamps = Stamps()
         orch.journal.add_commit_listener(stamps)
         try:

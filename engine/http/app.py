@@ -16,7 +16,7 @@ the field, the value and the rule; also ``"field"``), ``unauthorized`` (401),
 (docs/security.md): a NUL in the path or the query is refused by :func:`refuse_nul`.
 
 Every registered workflow adds its own routes (``Workflow.routes``, :mod:`engine.runtime.workflow`):
-discovery ``POST /v1/participants/probe``; the checkpoint workflows (checkpoints, restores, retire,
+discovery ``GET /v1/participants`` and ``POST /v1/participants/probe``; the checkpoint workflows (checkpoints, restores, retire,
 forget) in :mod:`engine.workflows.checkpoint.api`; training (jobs, publications, engines) in
 :mod:`engine.workflows.training.api`.
 """
@@ -25,10 +25,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import sqlalchemy as sa
 from aiohttp import web
 
-from journal import audit, lease, models
+from journal import audit, lease
 from workers.http_limits import limits_middleware
 
 from engine.http.query import QueryError, entity_counts, event_json, parse_event_filter, single_values
@@ -37,14 +36,6 @@ from engine.runtime.leader import LEASE_NAME
 from engine.runtime.service import Orchestrator
 
 ORCH: web.AppKey[Orchestrator] = web.AppKey("orchestrator", Orchestrator)
-
-
-def participant_json(m: Any) -> dict[str, Any]:
-    return {"name": m["id"], "url": m["url"], "health": m["state"], "kind": m["kind"],
-            "instance": m["instance"], "phase": m["phase"], "detail": m["detail"],
-            "probe_failures": m["probe_failures"], "version": m["version"],
-            "last_probe_at": m["last_probe_at"].isoformat() if m["last_probe_at"] else None,
-            "updated_at": m["updated_at"].isoformat()}
 
 
 def make_app(orch: Orchestrator) -> web.Application:
@@ -87,12 +78,6 @@ def make_app(orch: Orchestrator) -> web.Application:
     async def status(_: web.Request) -> web.Response:
         return web.json_response(await status_snapshot(orch))
 
-    async def participants(_: web.Request) -> web.Response:
-        t = models.participants
-        async with orch.journal.read() as conn:
-            rows = (await conn.execute(sa.select(t).order_by(t.c.id))).all()
-        return web.json_response({"participants": [participant_json(r._mapping) for r in rows]})
-
     async def events(request: web.Request) -> web.Response:
         try:
             flt = parse_event_filter(single_values(request.query), orch.journal.kinds)
@@ -109,7 +94,6 @@ def make_app(orch: Orchestrator) -> web.Application:
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/status", status)
-    app.router.add_get("/v1/participants", participants)
     app.router.add_get("/v1/events", events)
     for workflow in orch.workflows:
         if workflow.routes is not None:
@@ -133,4 +117,4 @@ async def status_snapshot(orch: Orchestrator) -> dict[str, Any]:
     }
 
 
-__all__ = ["ORCH", "make_app", "participant_json", "status_snapshot"]
+__all__ = ["ORCH", "make_app", "status_snapshot"]

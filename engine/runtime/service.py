@@ -47,13 +47,13 @@ class Orchestrator:
     ``workflows`` (default: every registered one) are built in order, each from the settings and
     the shared parts (:class:`~engine.runtime.workflow.Deps`); ``controllers`` replace the built
     controller of their kind (a test's own); the families named in ``unbuilt`` are not built (their
-    routes still answer reads), and ``with_discovery=False`` is ``unbuilt=["discovery"]``;
+    routes still answer reads; a test leaves ``discovery`` unbuilt to keep its own participants rows);
     ``transport`` is what the RPC client sends over (default real HTTP; a test's in-process remote).
     """
 
     def __init__(self, settings: Settings, *, journal: Journal | None = None, clock: Clock | None = None,
-                 controllers: list[Controller] | None = None, with_discovery: bool = True,
-                 workflows: Sequence[Workflow] | None = None, unbuilt: Collection[str] = (),
+                 controllers: list[Controller] | None = None, workflows: Sequence[Workflow] | None = None,
+                 unbuilt: Collection[str] = (),
                  transport: Transport | None = None) -> None:
         self.settings = settings
         #: The workflow families this orchestrator serves (routes, kinds), built or not.
@@ -88,7 +88,7 @@ class Orchestrator:
         deps = Deps(settings, self.rpc, self.metrics, self.clock, frozenset(c.kind for c in given))
         #: Each built family's parts, by workflow name (a family its settings leave off is absent).
         self.parts: dict[str, Parts] = {}
-        skip = {*unbuilt, *(() if with_discovery else ("discovery",))}
+        skip = set(unbuilt)
         for wf in self.workflows:
             if wf.build is None or wf.name in skip:
                 continue
@@ -98,7 +98,6 @@ class Orchestrator:
         for controller in [*(c for p in self.parts.values() for c in p.controllers if c.kind not in deps.replaced),
                            *given]:
             self.reconciler.register(controller)
-        self.with_discovery = with_discovery
         # Crash hooks run first, so an armed hook kills the process before any wake-up.
         self.journal.add_commit_listener(CrashHooks())
         # A controller that keeps an in-memory view of its calls hears every commit (before wake-ups).

@@ -31,7 +31,7 @@ async def main(journal_url: str, target: str) -> int:
     journal = open_journal(settings, clock)
     pipeline.register(journal)
     orch = Orchestrator(settings, journal=journal, clock=clock,
-                        controllers=[pipeline.PipelineController(target)], with_discovery=False)
+                        controllers=[pipeline.PipelineController(target)], unbuilt=["discovery"])
     await orch.start()
     try:
         for _ in range(600):

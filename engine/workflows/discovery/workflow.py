@@ -1,10 +1,10 @@
 """The discovery family as registered: the ``participants`` kind, its controller, the configured
-participants synced on every election, and ``POST /v1/participants/probe``."""
+participants synced on every election, ``GET /v1/participants`` and ``POST /v1/participants/probe``."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 from aiohttp import web
@@ -34,8 +34,23 @@ def build(deps: Deps) -> Parts:
     return Parts(controllers=[controller], on_elected=[sync], handle=controller)
 
 
+def participant_json(m: Any) -> dict[str, Any]:
+    return {"name": m["id"], "url": m["url"], "health": m["state"], "kind": m["kind"],
+            "instance": m["instance"], "phase": m["phase"], "detail": m["detail"],
+            "probe_failures": m["probe_failures"], "version": m["version"],
+            "last_probe_at": m["last_probe_at"].isoformat() if m["last_probe_at"] else None,
+            "updated_at": m["updated_at"].isoformat()}
+
+
 def routes(app: web.Application, orch: Orchestrator, mutating: Callable[[Handler], Handler]) -> None:
-    """``POST /v1/participants/probe[?name=N]``: queue a probe of one or every configured participant."""
+    """``GET /v1/participants`` (every row, by name) and ``POST /v1/participants/probe[?name=N]`` (queue
+    a probe of one or every configured participant)."""
+
+    async def participants(_: web.Request) -> web.Response:
+        t = models.participants
+        async with orch.journal.read() as conn:
+            rows = (await conn.execute(sa.select(t).order_by(t.c.id))).all()
+        return web.json_response({"participants": [participant_json(r._mapping) for r in rows]})
 
     async def probe(request: web.Request) -> web.Response:
         name = request.query.get("name")
@@ -56,6 +71,7 @@ def routes(app: web.Application, orch: Orchestrator, mutating: Callable[[Handler
             orch.reconciler.enqueue("participants", n)
         return web.json_response({"queued": names}, status=202)
 
+    app.router.add_get("/v1/participants", participants)
     app.router.add_post("/v1/participants/probe", mutating(probe))
 
 
@@ -63,4 +79,4 @@ WORKFLOW = register(Workflow(
     NAME, kinds=(EntityKind("participants", models.participants, machines.PARTICIPANTS),),
     build=build, routes=routes, settings=DiscoverySettingsModel, builtin_section=True))
 
-__all__ = ["NAME", "WORKFLOW"]
+__all__ = ["NAME", "WORKFLOW", "participant_json"]

@@ -38,7 +38,7 @@ class Harness:
             "reconciler": {"resync_interval_s": 1},
             "logging": {"level": "WARNING"}})
         controller = TrainingController(self.executor, TrainingSettings(str(self.checkpoints), retry_after_s=0.2))
-        self.orch = Orchestrator(settings, controllers=[controller], with_discovery=False)
+        self.orch = Orchestrator(settings, controllers=[controller], unbuilt=["discovery"])
         await self.orch.start()
         for _ in range(200):
             if self.orch.is_leader and self.orch.working():

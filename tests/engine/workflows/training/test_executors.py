@@ -126,7 +126,7 @@ async def orchestrator(journal_url: str, executor: Executor, procs: list[EngineP
         "journal": {"url": journal_url},
         "orchestrator": {"lease_ttl_s": 5, "lease_renew_s": 1, "shutdown_grace_s": 1},
         "reconciler": {"resync_interval_s": 1}, "logging": {"level": "WARNING"}})
-    orch = Orchestrator(settings, controllers=[controller], with_discovery=False)
+    orch = Orchestrator(settings, controllers=[controller], unbuilt=["discovery"])
     await orch.start()
     try:
         for _ in range(200):

@@ -37,7 +37,7 @@ async def orch(journal_url: str, executor: Executor, engine_procs: list[EnginePr
         "journal": {"url": journal_url},
         "orchestrator": {"lease_ttl_s": 5, "lease_renew_s": 1, "shutdown_grace_s": 1},
         "reconciler": {"resync_interval_s": 1}, "logging": {"level": "WARNING"}})
-    o = Orchestrator(settings, controllers=[controller], with_discovery=False)
+    o = Orchestrator(settings, controllers=[controller], unbuilt=["discovery"])
     await o.start()
     try:
         for _ in range(200):

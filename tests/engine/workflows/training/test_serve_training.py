@@ -56,7 +56,7 @@ async def leading(orch: Orchestrator) -> Orchestrator:
 
 async def serving(settings: Settings, started: list[Orchestrator]) -> Orchestrator:
     """An orchestrator built from ``settings`` (training included), leading; stopped by the fixture."""
-    orch = Orchestrator(settings, with_discovery=False)
+    orch = Orchestrator(settings, unbuilt=["discovery"])
     started.append(orch)
     return await leading(orch)
 
@@ -193,7 +193,7 @@ async def test_start_up_puts_an_engine_back_on_the_committed_head(journal_url: s
         await e1.pause_generation("retract")
         await e1.update_weights_from_disk(str(rogue), "rogue")
         assert await e1.weight_version() == "rogue" and await paused(e1)
-        again = Orchestrator(settings, with_discovery=False)
+        again = Orchestrator(settings, unbuilt=["discovery"])
         orchestrators.append(again)
         await leading(again)
         # The rows said ``serving`` on the head before the stop: only a look by this leader counts.
@@ -224,7 +224,7 @@ async def test_after_a_restart_no_engine_row_claims_a_version_until_the_gate_loo
     try:
         await e1.pause_generation("retract")
         await e1.update_weights_from_disk(str(rogue), "rogue")
-        again = Orchestrator(settings, with_discovery=False)
+        again = Orchestrator(settings, unbuilt=["discovery"])
         orchestrators.append(again)
         assert again.training is not None
         # Hold the gate off (it never looks while the publisher's lock is taken): what the rows say
@@ -280,7 +280,7 @@ async def test_an_uncommitted_candidate_keeps_every_engine_paused(journal_url: s
                                         "orchestrator": {"lease_ttl_s": 5, "lease_renew_s": 1,
                                                          "shutdown_grace_s": 1},
                                         "reconciler": {"resync_interval_s": 1}})
-    orch = Orchestrator(settings, controllers=[gate], with_discovery=False)
+    orch = Orchestrator(settings, controllers=[gate], unbuilt=["discovery"])
     orchestrators.append(orch)
     try:
         await leading(orch)
