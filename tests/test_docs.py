@@ -135,3 +135,17 @@ def test_the_adding_a_workflow_recipe_runs(tmp_path: Path) -> None:
                                                        "RAY_AUTH_MODE": "disabled"})
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "greeted: hi, g1"
+
+
+def test_the_architecture_tree_names_every_engine_package_and_family() -> None:
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    tree = text[text.index("```\njournal/"):]
+    tree = tree[:tree.index("\n```")]
+    engine = ROOT / "engine"
+    packages = sorted(p.name for p in engine.rglob("*") if p.is_dir() and (p / "__init__.py").exists())
+    missing = [name for name in packages if f"{name}/" not in tree]
+    assert not missing, f"docs/architecture.md's tree lacks {missing}"
+    # Every built-in family has its registration module, and the recipe's section names it.
+    families = sorted(p.parent.name for p in (engine / "workflows").glob("*/workflow.py"))
+    assert families == ["checkpoint", "discovery", "training"], families
+    assert "`workflow.py`" in text[text.index("## 7. Adding a workflow"):]
