@@ -226,10 +226,10 @@ async def test_after_a_restart_no_engine_row_claims_a_version_until_the_gate_loo
         await e1.update_weights_from_disk(str(rogue), "rogue")
         again = Orchestrator(settings, unbuilt=["discovery"])
         orchestrators.append(again)
-        assert again.training is not None
+        assert again.handle("training") is not None
         # Hold the gate off (it never looks while the publisher's lock is taken): what the rows say
         # right after the election committed is what the election wrote, nothing the gate saw.
-        gate_lock = again.training.gate.lock
+        gate_lock = again.handle("training").gate.lock
         await gate_lock.acquire()
         try:
             await leading(again)
