@@ -41,6 +41,8 @@ Backend = Literal["sqlite", "postgresql"]
 #: What the journal reads its timestamps from (a function; the orchestrator passes its clock's ``now``,
 #: :class:`engine.runtime.clock.Clock`).
 Now = Callable[[], datetime]
+#: The earlier name of :data:`Now`, kept for code that imports it.
+Clock = Now
 
 #: Accepted spellings and the async driver each one maps to.
 _SCHEMES: dict[str, tuple[Backend, str]] = {
