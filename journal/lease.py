@@ -9,6 +9,7 @@ holder, epoch and expiry in its own transaction.
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -27,6 +28,9 @@ class LeaseState:
     holder: str
     epoch: int
     expires_at: datetime
+    #: The journal's line of leaders: minted with the lease row by the journal's first leader and
+    #: never changed (``None`` only for a row an older version wrote, until its next take-over).
+    lineage: str | None = None
 
     def fence(self) -> Fence:
         return Fence(self.name, self.holder, self.epoch)
@@ -35,7 +39,7 @@ class LeaseState:
 async def read_lease(journal: Journal, name: str) -> LeaseState | None:
     async with journal.read() as conn:
         row = (await conn.execute(sa.select(models.leases).where(models.leases.c.name == name))).first()
-    return None if row is None else LeaseState(row.name, row.holder, row.epoch, row.expires_at)
+    return None if row is None else LeaseState(row.name, row.holder, row.epoch, row.expires_at, row.lineage)
 
 
 async def acquire(journal: Journal, name: str, holder: str, ttl_s: float) -> LeaseState | None:
@@ -51,28 +55,31 @@ async def acquire(journal: Journal, name: str, holder: str, ttl_s: float) -> Lea
         now = tx.now
         expires = now + timedelta(seconds=ttl_s)
         row = (await tx.execute(sa.select(t).where(t.c.name == name).with_for_update())).first()
+        # Minted here, by the first leader of this journal (not by a migration: a journal copied
+        # from a migrated template must still get a lineage of its own).
+        lineage = uuid.uuid4().hex if row is None or row.lineage is None else row.lineage
         if row is None:
             # Two candidates may both find no row (PostgreSQL: FOR UPDATE locks nothing that
             # does not exist yet); the one whose insert loses sees a live lease, not an error.
             insert = postgresql.insert(t) if journal.backend == "postgresql" else sqlite.insert(t)
             result = await tx.execute(
-                insert.values(name=name, holder=holder, epoch=1, expires_at=expires,
-                              acquired_at=now, renewed_at=now).on_conflict_do_nothing(index_elements=["name"]))
+                insert.values(name=name, holder=holder, epoch=1, expires_at=expires, acquired_at=now,
+                              renewed_at=now, lineage=lineage).on_conflict_do_nothing(index_elements=["name"]))
             if result.rowcount != 1:
                 return None
             await tx.log("leases", name, state="held", reason="acquired",
-                         note={"holder": holder, "epoch": 1})
-            return LeaseState(name, holder, 1, expires)
+                         note={"holder": holder, "epoch": 1, "lineage": lineage})
+            return LeaseState(name, holder, 1, expires, lineage)
         if row.expires_at > now:
             return None
         epoch = row.epoch + 1
         await tx.execute(sa.update(t).where(t.c.name == name).values(
-            holder=holder, epoch=epoch, expires_at=expires, acquired_at=now, renewed_at=now))
+            holder=holder, epoch=epoch, expires_at=expires, acquired_at=now, renewed_at=now, lineage=lineage))
         await tx.log("leases", name, state="held", reason="taken over after lapse",
                      note={"holder": holder, "epoch": epoch, "previous_holder": row.holder,
                            "previous_epoch": row.epoch,
                            "previous_expired_at": row.expires_at.isoformat()})
-        return LeaseState(name, holder, epoch, expires)
+        return LeaseState(name, holder, epoch, expires, lineage)
 
 
 async def renew(journal: Journal, fence: Fence, ttl_s: float) -> LeaseState:
@@ -82,7 +89,8 @@ async def renew(journal: Journal, fence: Fence, ttl_s: float) -> LeaseState:
         expires = tx.now + timedelta(seconds=ttl_s)
         await tx.execute(sa.update(t).where(t.c.name == fence.lease)
                               .values(expires_at=expires, renewed_at=tx.now))
-    return LeaseState(fence.lease, fence.holder, fence.epoch, expires)
+        lineage = (await tx.execute(sa.select(t.c.lineage).where(t.c.name == fence.lease))).scalar()
+    return LeaseState(fence.lease, fence.holder, fence.epoch, expires, lineage)
 
 
 async def release(journal: Journal, fence: Fence) -> bool:

@@ -65,6 +65,8 @@ leases = sa.Table(
     sa.Column("expires_at", UTCDateTime(), nullable=False),
     sa.Column("acquired_at", UTCDateTime(), nullable=False),
     sa.Column("renewed_at", UTCDateTime(), nullable=False),
+    # Which journal's line of leaders this is (minted by the first one; docs/architecture.md).
+    sa.Column("lineage", sa.String(32), nullable=True),
 )
 
 # Request bodies a fan-out shares, stored once as the exact JSON text every call of it sends.

@@ -24,6 +24,12 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstra
 
 CONTROL_PREFIX = "/ng-control/v1/checkpoint"
 STATUS_PATH = f"{CONTROL_PREFIX}/status"
+#: The orchestrator's fencing epoch, sent on every call, and the journal's line of leaders it
+#: belongs to (``leases.lineage``). A participant keeps the highest epoch it has seen per lineage
+#: and refuses a lower one (``stale_epoch``), so a paused or partitioned old leader changes nothing,
+#: while a journal made again starts a line of its own.
+EPOCH_HEADER = "X-Tidelog-Epoch"
+LINEAGE_HEADER = "X-Tidelog-Lineage"
 ROUTES: tuple[str, ...] = ("prepare", "renew", "retire", "forget", "commit", "restore", "resume")
 
 #: Participant kinds in prepare order (callers before callees).
@@ -74,6 +80,9 @@ class ErrorCode(str, Enum):
     CHECKPOINT_DIR_REFUSED = "checkpoint_dir_refused"
     #: A request body still arriving when the server's body deadline passed (the connection is closed).
     BODY_TIMEOUT = "body_timeout"
+    #: A mutating request from an orchestrator whose epoch is lower than the highest this
+    #: participant has seen in its lineage: a newer leader has taken over.
+    STALE_EPOCH = "stale_epoch"
 
 
 #: The HTTP status each code is sent with.
@@ -94,6 +103,7 @@ ERROR_STATUS: dict[ErrorCode, int] = {
     ErrorCode.REQUEST_TOO_LARGE: 413,
     ErrorCode.CHECKPOINT_DIR_REFUSED: 422,
     ErrorCode.BODY_TIMEOUT: 408,
+    ErrorCode.STALE_EPOCH: 409,
 }
 
 
@@ -259,6 +269,8 @@ class StatusReply(_Reply):
     checkpoint_id: str | None = None
     lease_expires_at: float | None = None
     retired_rollouts: int = Field(default=0, ge=0)
+    #: The highest orchestrator epoch seen, per lineage (``""`` for calls that name none).
+    epochs: dict[str, int] = Field(default_factory=dict)
     report: PrepareReport | None = None
 
 

@@ -45,6 +45,8 @@ class Leader:
         #: The epoch this process last held; calls keep carrying it after a loss, so a
         #: remote that has seen a newer leader refuses them.
         self.last_epoch: int | None = None
+        #: The journal's line of leaders, as the last acquisition read it (sent beside the epoch).
+        self.last_lineage: str | None = None
         self._valid_until = 0.0
         self._generation = 0
         self._kick = asyncio.Event()
@@ -126,6 +128,7 @@ class Leader:
         if self._fence is None or self._fence.epoch != state.epoch:
             self._fence = state.fence()
             self.last_epoch = state.epoch
+            self.last_lineage = state.lineage or self.last_lineage
             log.info("leader lease held", extra={"holder": self.holder, "epoch": state.epoch})
             if self._on_elected is not None:
                 await self._on_elected(self._fence)

@@ -4,7 +4,7 @@
   ``data`` (bulk transfers), so a burst of data calls never starves control
   calls of connections.
 - Every call carries ``Authorization: Bearer``, the fencing epoch
-  (``X-Tidelog-Epoch``) and, for outbox calls, the intent id as
+  (``X-Tidelog-Epoch``) with the journal's lineage (``X-Tidelog-Lineage``) and, for outbox calls, the intent id as
   ``Idempotency-Key``.
 - Every call has a deadline; retries (exponential backoff) happen only on transport
   errors and only inside that deadline. A call that is not safe to repeat is
@@ -26,11 +26,14 @@ import orjson
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, stop_after_delay, wait_exponential
 from yarl import URL
 
+from workers import protocol
+
 from engine.runtime.transport import AiohttpTransport, Pool, Request, Transport, TransportFailure
 
 
 TOKEN_HEADER = "Authorization"
-EPOCH_HEADER = "X-Tidelog-Epoch"
+EPOCH_HEADER = protocol.EPOCH_HEADER
+LINEAGE_HEADER = protocol.LINEAGE_HEADER
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 
 
@@ -104,6 +107,7 @@ class RpcClient:
     (default: real HTTP with a ``control`` and a ``data`` pool; a test may pass its own)."""
 
     def __init__(self, *, token: str | None, epoch: Callable[[], int | None] = lambda: None,
+                 lineage: Callable[[], str | None] = lambda: None,
                  control_pool: int = 64, control_per_host: int = 8, data_pool: int = 16,
                  transport_tries: int = 3, retry_backoff_s: float = 0.2,
                  transport: Transport | None = None) -> None:
@@ -111,6 +115,7 @@ class RpcClient:
             raise ValueError("transport_tries must be >= 1")
         self._token = token
         self._epoch = epoch
+        self._lineage = lineage
         self._tries = transport_tries
         self._backoff = retry_backoff_s
         self.transport: Transport = transport or AiohttpTransport(
@@ -140,6 +145,9 @@ class RpcClient:
         epoch = self._epoch()
         if epoch is not None:
             h[EPOCH_HEADER] = str(epoch)
+            lineage = self._lineage()
+            if lineage is not None:
+                h[LINEAGE_HEADER] = lineage
         if idempotency_key:
             h[IDEMPOTENCY_HEADER] = idempotency_key
         return h

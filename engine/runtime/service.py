@@ -69,6 +69,7 @@ class Orchestrator:
                                         on_lease_lost=self.leader.lost)
         r = settings.rpc
         self.rpc = RpcClient(token=settings.token(), epoch=lambda: self.leader.last_epoch,
+                             lineage=lambda: self.leader.last_lineage,
                              control_pool=r.control_pool, control_per_host=r.control_per_host,
                              data_pool=r.data_pool, transport_tries=r.transport_tries,
                              retry_backoff_s=r.retry_backoff_s, transport=transport)

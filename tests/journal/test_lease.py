@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Callable
+import shutil
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 
-from journal import Fence, Journal, LeaseLost, lease
+from journal import Fence, Journal, LeaseLost, lease, models
+from tests.support.databases import migrate
 from tests.support.backends import only_postgresql
 from tests.support.journal_state import T0, FakeClock, events, row, snapshot
 
@@ -26,13 +30,14 @@ def orchestrators(make_journal: Callable[..., Journal], clock: FakeClock) -> tup
 async def test_acquire_takes_epoch_one_and_logs_it(orchestrators: tuple[Journal, Journal]) -> None:
     a, _ = orchestrators
     held = await lease.acquire(a, "leader", "orch-a", TTL)
-    assert held == lease.LeaseState("leader", "orch-a", 1, T0 + timedelta(seconds=TTL))
+    assert held is not None and re.fullmatch(r"[0-9a-f]{32}", held.lineage or "")
+    assert held == lease.LeaseState("leader", "orch-a", 1, T0 + timedelta(seconds=TTL), held.lineage)
     assert held.fence() == Fence("leader", "orch-a", 1)
     assert await lease.read_lease(a, "leader") == held
     assert await lease.read_lease(a, "other") is None
     (ev,) = await events(a, "leases", "leader")
     assert (ev["to_state"], ev["reason"], ev["actor"], ev["epoch"]) == ("held", "acquired", "orch-a", None)
-    assert ev["payload"] == {"note": {"holder": "orch-a", "epoch": 1}}
+    assert ev["payload"] == {"note": {"holder": "orch-a", "epoch": 1, "lineage": held.lineage}}
 
 
 async def test_renewal_keeps_the_epoch(orchestrators: tuple[Journal, Journal], clock: FakeClock) -> None:
@@ -76,10 +81,11 @@ async def test_another_holder_gets_none_while_the_lease_is_live(
 async def test_take_over_after_lapse_increments_the_epoch_and_logs_it(
         orchestrators: tuple[Journal, Journal], clock: FakeClock) -> None:
     a, b = orchestrators
-    await lease.acquire(a, "leader", "orch-a", TTL)
+    first = await lease.acquire(a, "leader", "orch-a", TTL)
+    assert first is not None
     clock.advance(TTL)  # expires_at <= now: lapsed
     taken = await lease.acquire(b, "leader", "orch-b", TTL)
-    assert taken == lease.LeaseState("leader", "orch-b", 2, clock.now + timedelta(seconds=TTL))
+    assert taken == lease.LeaseState("leader", "orch-b", 2, clock.now + timedelta(seconds=TTL), first.lineage)
     assert await lease.acquire(a, "leader", "orch-a", TTL) is None
     ev = (await events(b, "leases", "leader"))[-1]
     assert (ev["reason"], ev["actor"]) == ("taken over after lapse", "orch-b")
@@ -220,3 +226,44 @@ async def _wait_until_blocked_on_a_lock(journal: Journal) -> None:
                 return
         await asyncio.sleep(0.01)
     raise AssertionError("the take-over never waited for the lease row lock")
+
+
+async def test_the_lineage_is_minted_once_per_journal_and_kept_by_every_leader(
+        orchestrators: tuple[Journal, Journal], clock: FakeClock, make_journal: Callable[..., Journal]) -> None:
+    """A journal's line of leaders has one lineage (sent beside the epoch, so a participant fences
+    per journal); a take-over, a renewal and a reader all see the first leader's."""
+    a, b = orchestrators
+    first = await lease.acquire(a, "leader", "orch-a", TTL)
+    assert first is not None and first.lineage is not None
+    renewed = await lease.renew(a, first.fence(), TTL)
+    assert renewed.lineage == first.lineage
+    clock.advance(TTL + 1)
+    taken = await lease.acquire(b, "leader", "orch-b", TTL)
+    assert taken is not None and taken.epoch == 2 and taken.lineage == first.lineage
+    assert (await lease.read_lease(a, "leader")) == taken
+    # A row an older version wrote has none: the next take-over mints it, and it is kept from then on.
+    async with a.engine.begin() as conn:
+        await conn.execute(sa.update(models.leases).values(lineage=None))
+    clock.advance(TTL + 1)
+    minted = await lease.acquire(a, "leader", "orch-a", TTL)
+    assert minted is not None and minted.lineage is not None and minted.lineage != first.lineage
+    assert (await lease.read_lease(b, "leader")) == minted
+
+
+async def test_two_journals_have_two_lineages(journal_url: str, tmp_path: Path, clock: FakeClock) -> None:
+    """Even journals copied from one migrated template (as the PostgreSQL fixture makes them): the
+    lineage is minted by each journal's first leader, not by the migration."""
+    other_url = f"sqlite+aiosqlite:///{tmp_path / 'copy.db'}"
+    if journal_url.startswith("sqlite"):
+        shutil.copyfile(journal_url.removeprefix("sqlite+aiosqlite:///"), tmp_path / "copy.db")
+    else:
+        await asyncio.to_thread(migrate, other_url)
+    one, two = Journal.open(journal_url, clock=clock), Journal.open(other_url, clock=clock)
+    try:
+        a = await lease.acquire(one, "leader", "orch-a", TTL)
+        b = await lease.acquire(two, "leader", "orch-a", TTL)
+        assert a is not None and b is not None and a.epoch == b.epoch == 1
+        assert a.lineage != b.lineage
+    finally:
+        await one.dispose()
+        await two.dispose()

@@ -198,8 +198,8 @@ class ControlPlane:
     def status(self) -> StatusReply:
         return StatusReply(kind=self.participant.kind, instance=self.participant.instance, phase=self.phase,
                            checkpoint_id=self.checkpoint_id, lease_expires_at=self.lease_expires_at,
-                           retired_rollouts=len(self.marks), report=self.participant.readiness(),
-                           **self.participant.status_extra())
+                           retired_rollouts=len(self.marks), epochs=self.marks.epochs(),
+                           report=self.participant.readiness(), **self.participant.status_extra())
 
     # -- prepare --------------------------------------------------------------------------------
 

@@ -8,7 +8,10 @@ committed to a small SQLite file beside the participant's state before the
 call that set it returns, and loaded again on start.
 
 The file holds one row per rollout retired and not yet forgotten, so the
-controller's ``forget`` calls bound it. Writes are synchronous (a handful of
+controller's ``forget`` calls bound it. It also holds the fence: per lineage (one journal's line of
+leaders), the highest orchestrator epoch this participant has seen
+(:meth:`RetiredMarks.observe_epoch`), kept as durably as the marks so that a restarted participant
+still refuses a deposed leader. Writes are synchronous (a handful of
 rows per retire, WAL, ``synchronous=FULL``): they happen before any work a
 deadline limits, which is the point — even a retire that arrives too late
 leaves its mark.
@@ -38,7 +41,10 @@ class RetiredMarks:
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.execute("CREATE TABLE IF NOT EXISTS marks (rollout_id TEXT PRIMARY KEY, "
                          "attempt INTEGER NOT NULL CHECK (attempt >= 0))")
+        self._db.execute("CREATE TABLE IF NOT EXISTS fence (lineage TEXT PRIMARY KEY, "
+                         "epoch INTEGER NOT NULL CHECK (epoch >= 0))")
         self._marks: dict[str, int] = dict(self._db.execute("SELECT rollout_id, attempt FROM marks"))
+        self._epochs: dict[str, int] = dict(self._db.execute("SELECT lineage, epoch FROM fence"))
 
     def close(self) -> None:
         self._db.close()
@@ -86,6 +92,27 @@ class RetiredMarks:
             for rollout_id in present:
                 del self._marks[rollout_id]
         return len(present)
+
+    def epochs(self) -> dict[str, int]:
+        """A copy of the fence: lineage -> the highest epoch seen in it."""
+        return dict(self._epochs)
+
+    def observe_epoch(self, lineage: str, epoch: int, *, record: bool) -> None:
+        """Refuse ``epoch`` with ``stale_epoch`` (409) if it is lower than the highest seen in
+        ``lineage``; with ``record`` (an authenticated caller) a higher one becomes the highest,
+        durably, before this returns. An unauthenticated caller is only checked: it can never
+        raise the fence."""
+        highest = self._epochs.get(lineage)
+        if highest is not None and epoch < highest:
+            raise ProtocolError(ErrorCode.STALE_EPOCH,
+                                f"epoch {epoch} is older than epoch {highest}, the highest this participant has "
+                                f"seen from this journal: a newer orchestrator leads")
+        if record and (highest is None or epoch > highest):
+            with self._db:
+                self._db.execute("BEGIN IMMEDIATE")
+                self._db.execute("INSERT INTO fence (lineage, epoch) VALUES (?, ?) ON CONFLICT (lineage) "
+                                 "DO UPDATE SET epoch = max(epoch, excluded.epoch)", (lineage, epoch))
+            self._epochs[lineage] = epoch
 
     def is_retired(self, episode: EpisodeId) -> bool:
         return episode.attempt <= self._marks.get(episode.rollout_id, -1)

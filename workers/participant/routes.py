@@ -1,7 +1,11 @@
 """The checkpoint routes on an aiohttp application, and the settings that enable them.
 
 :func:`mount` adds ``GET {prefix}/status`` and ``POST {prefix}/<op>`` for the
-seven operations to an application. Every route checks the bearer token in
+seven operations to an application, and a fence over every mutating route of the application
+(control and data): a request whose ``X-Tidelog-Epoch`` is older than the highest epoch the
+participant has seen from its ``X-Tidelog-Lineage`` (one journal's line of leaders) is refused 409
+``stale_epoch`` before its handler runs, and an authenticated request with a newer one raises it,
+durably (:meth:`~.marks.RetiredMarks.observe_epoch`). Every route checks the bearer token in
 constant time (401 ``unauthorized``, also for a header that is not UTF-8),
 parses its body once into the operation's request model (a body that is not
 JSON, nests deeper than the parser allows, or does not fit, is 422
@@ -16,6 +20,7 @@ import asyncio
 import hmac
 import logging
 import os
+import re
 import reprlib
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -25,11 +30,13 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..http_limits import BODY_TIMEOUT_S
-from ..protocol import CONTROL_PREFIX, REQUEST_MODELS, ErrorCode, ProtocolError
+from ..protocol import CONTROL_PREFIX, EPOCH_HEADER, LINEAGE_HEADER, REQUEST_MODELS, ErrorCode, ProtocolError
 from .control import ControlPlane
 
 log = logging.getLogger("tidelog.participant")
 
+#: A lineage as the orchestrator sends it (32 hex digits today); ``""`` when a caller names none.
+_LINEAGE = re.compile(r"(?:[A-Za-z0-9._-]{1,64})?")
 CONTROL_KEY: web.AppKey[ControlPlane] = web.AppKey("tidelog_checkpoint_control", ControlPlane)
 #: A commit or restore scope names every continued episode (~50 bytes each): aiohttp's default
 #: 1 MiB body limit stops near 20,000 episodes, so participant applications should allow this much.
@@ -164,6 +171,32 @@ def mount(app: web.Application, control: ControlPlane, *, token: str, prefix: st
             return _json(reply.model_dump())
         return handler
 
+    @web.middleware
+    async def fence(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                    ) -> web.StreamResponse:
+        """A mutating request (control or data route) that carries the orchestrator's epoch is
+        refused when that epoch is older than the highest seen in its lineage; an authenticated
+        one with a newer epoch raises it (durably) before its handler runs."""
+        raw = request.headers.get(EPOCH_HEADER)
+        if raw is None or request.method in ("GET", "HEAD", "OPTIONS"):
+            return await handler(request)
+        lineage = request.headers.get(LINEAGE_HEADER, "")
+        if not (raw.isascii() and raw.isdigit() and len(raw) <= 18):
+            return _error(ErrorCode.INVALID_REQUEST,
+                          f"{EPOCH_HEADER} must be a non-negative integer below 10**18, got {_short.repr(raw)}")
+        if not _LINEAGE.fullmatch(lineage):
+            return _error(ErrorCode.INVALID_REQUEST, f"{LINEAGE_HEADER} must be 1 to 64 of [A-Za-z0-9._-], "
+                                                     f"got {_short.repr(lineage)}")
+        known = authorized(request)
+        if not known and request.path.startswith(prefix):
+            return await handler(request)  # a control route answers 401 before anything else
+        try:
+            control.marks.observe_epoch(lineage, int(raw), record=known)
+        except ProtocolError as exc:
+            return _json(exc.body(), exc.status)
+        return await handler(request)
+
+    app.middlewares.append(fence)
     app.router.add_get(f"{prefix}/status", status)
     calls: dict[str, Callable[[Any], Awaitable[BaseModel]]] = {
         "prepare": control.prepare, "renew": control.renew, "retire": control.retire, "forget": control.forget,

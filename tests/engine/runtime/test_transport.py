@@ -13,10 +13,11 @@ import pytest
 import sqlalchemy as sa
 
 from engine.config import Settings
+from engine.runtime.leader import LEASE_NAME
 from engine.runtime.rpc import CallTimeout, RemoteError, RpcClient, TransportError
 from engine.runtime.service import Orchestrator
 from engine.runtime.transport import HandlerTransport, Request, Response, TransportFailure
-from journal import models
+from journal import lease, models
 from workers.protocol import STATUS_PATH
 
 
@@ -29,13 +30,14 @@ async def test_a_call_carries_token_epoch_and_key_and_decodes_the_reply() -> Non
         return ok({"echo": json.loads(request.content or b"null"), "path": request.url.path})
 
     transport = HandlerTransport(handler)
-    rpc = RpcClient(token="s3cret", epoch=lambda: 7, transport=transport)
+    rpc = RpcClient(token="s3cret", epoch=lambda: 7, lineage=lambda: "ab" * 16, transport=transport)
     reply = await rpc.call("http://p1:9", "POST", "/x/y", {"a": 1}, timeout_s=5, idempotency_key="k-1",
                            pool="data")
     assert reply == {"echo": {"a": 1}, "path": "/x/y"}
     sent = transport.requests[0]
     assert sent.method == "POST" and str(sent.url) == "http://p1:9/x/y" and sent.pool == "data"
     assert sent.headers["Authorization"] == "Bearer s3cret" and sent.headers["X-Tidelog-Epoch"] == "7"
+    assert sent.headers["X-Tidelog-Lineage"] == "ab" * 16
     assert sent.headers["Idempotency-Key"] == "k-1" and sent.headers["Content-Type"] == "application/json"
     assert 0 < sent.timeout_s <= 5
 
@@ -120,5 +122,10 @@ async def test_discovery_runs_in_an_orchestrator_against_an_in_process_participa
         assert rows["p1"].state == "healthy" and rows["p1"].kind == "environment" and rows["p1"].instance == "env-1"
         assert rows["p2"].state == "unreachable"
         assert {r.url.host for r in transport.requests} == {"p1.test", "p2.test"}
+        # Every call names this journal's line of leaders beside the epoch (the participants' fence).
+        held = await lease.read_lease(orch.journal, LEASE_NAME)
+        assert held is not None and held.lineage is not None
+        assert {(r.headers["X-Tidelog-Epoch"], r.headers["X-Tidelog-Lineage"]) for r in transport.requests} == {
+            (str(held.epoch), held.lineage)}
     finally:
         await orch.stop()
