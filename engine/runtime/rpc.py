@@ -122,9 +122,6 @@ class RpcClient:
             control_pool=control_pool, control_per_host=control_per_host, data_pool=data_pool)
         self._urls: dict[tuple[str, str], URL] = {}
 
-    async def start(self) -> None:
-        """Nothing to open ahead of the first call (a transport opens its pools when first used)."""
-
     async def close(self) -> None:
         await self.transport.close()
 

@@ -125,7 +125,6 @@ class Orchestrator:
 
     async def start(self) -> None:
         await self.check_schema()
-        await self.rpc.start()
         self._leader_task = asyncio.create_task(self.leader.run(), name="tidelog-leader")
 
     async def _elected(self, fence: Fence) -> None:
