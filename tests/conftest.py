@@ -133,23 +133,49 @@ def journal(make_journal: Callable[..., Journal]) -> Journal:
     return make_journal()
 
 
-#: The drills that take minutes each, longest first, in an order that splits them between two
-#: workers (pytest-xdist hands each worker two tests at a time, `--maxschedchunk 2` in the
-#: Makefile): they start at once, and the short tests fill in beside them instead of leaving one
-#: worker alone with a ten-minute drill at the end. Serial order is unaffected but for this.
+#: The drills that take minutes each, in two groups of about the same length (``make test`` runs
+#: ``--dist loadgroup``): each group runs on one worker, in this order, so at most two drills run at
+#: once — each drill runs its crash points two at a time and needs the cores — while the other
+#: workers take the short tests, which mostly wait (on leases, deadlines, slow clients). Serial
+#: order is unaffected but for this.
+DRILL_GROUPS: dict[str, tuple[str, ...]] = {
+    "drills-a": (
+        "tests/engine/workflows/training/test_crash_points.py::test_every_orchestrator_crash_point_recovers[sqlite]",
+        "tests/engine/workflows/checkpoint/test_checkpoint_crash_points.py::"
+        "test_every_checkpoint_crash_point_recovers[postgresql]",
+        "tests/engine/workflows/training/test_crash_points.py::"
+        "test_a_trainer_killed_at_each_point_is_replaced_and_nothing_trains_twice[sqlite]",
+    ),
+    "drills-b": (
+        "tests/engine/workflows/training/test_crash_points.py::test_every_orchestrator_crash_point_recovers[postgresql]",
+        "tests/engine/workflows/checkpoint/test_checkpoint_crash_points.py::"
+        "test_every_checkpoint_crash_point_recovers[sqlite]",
+        "tests/engine/workflows/checkpoint/test_checkpoint_crash_points.py::"
+        "test_every_retire_and_forget_crash_point_recovers[postgresql]",
+        "tests/engine/workflows/training/test_crash_points.py::"
+        "test_an_engine_killed_at_each_publication_phase_is_brought_to_the_head[sqlite]",
+    ),
+}
+#: The next longest, first among the rest, so none of them is left alone at the end.
 LONGEST_FIRST = (
-    "tests/engine/workflows/training/test_crash_points.py::test_every_orchestrator_crash_point_recovers[sqlite]",
-    "tests/engine/workflows/checkpoint/test_checkpoint_crash_points.py::test_every_checkpoint_crash_point_recovers[sqlite]",
-    "tests/engine/workflows/training/test_crash_points.py::test_every_orchestrator_crash_point_recovers[postgresql]",
-    "tests/engine/demos/test_demo_training.py::test_the_rl_demo_learns_through_crashes_applying_every_step_once[postgresql]",
-    "tests/engine/workflows/training/test_crash_points.py::"
-    "test_a_trainer_killed_at_each_point_is_replaced_and_nothing_trains_twice[sqlite]",
-    "tests/engine/demos/test_demo_training.py::test_the_rl_demo_learns_through_crashes_applying_every_step_once[sqlite]",
+    "tests/engine/workflows/checkpoint/test_checkpoint_crash_points.py::"
+    "test_every_retire_and_forget_crash_point_recovers[sqlite]",
     "tests/engine/runtime/test_crash_recovery.py::test_every_crash_point_recovers[postgresql]",
     "tests/engine/runtime/test_crash_recovery.py::test_every_crash_point_recovers[sqlite]",
+    "tests/engine/demos/test_demo_training.py::test_the_rl_demo_learns_through_crashes_applying_every_step_once[sqlite]",
+    "tests/engine/demos/test_demo_training.py::"
+    "test_the_rl_demo_learns_through_crashes_applying_every_step_once[postgresql]",
+    "tests/engine/workflows/checkpoint/test_checkpoint_crash_points.py::test_every_restore_crash_point_recovers[sqlite]",
+    "tests/engine/workflows/checkpoint/test_checkpoint_crash_points.py::"
+    "test_every_restore_crash_point_recovers[postgresql]",
 )
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    rank = {nodeid: i for i, nodeid in enumerate(LONGEST_FIRST)}
+    order = [nodeid for group in DRILL_GROUPS.values() for nodeid in group] + list(LONGEST_FIRST)
+    rank = {nodeid: i for i, nodeid in enumerate(order)}
+    group_of = {nodeid: name for name, group in DRILL_GROUPS.items() for nodeid in group}
+    for item in items:
+        if item.nodeid in group_of:
+            item.add_marker(pytest.mark.xdist_group(group_of[item.nodeid]))
     items.sort(key=lambda item: rank.get(item.nodeid, len(rank)))  # stable: the rest keep their order

@@ -32,7 +32,7 @@ async def job_row(journal: Journal, job_id: str) -> dict[str, Any]:
         return dict((await conn.execute(sa.select(t).where(t.c.id == job_id))).one()._mapping)
 
 
-async def until_state(journal: Journal, job_id: str, *states: str, timeout: float = 60) -> dict[str, Any]:
+async def until_state(journal: Journal, job_id: str, *states: str, timeout: float = 120) -> dict[str, Any]:
     """Poll the job until it is in one of ``states`` (``timeout`` is a safety net, not a measure)."""
     deadline = asyncio.get_running_loop().time() + timeout
     while True:

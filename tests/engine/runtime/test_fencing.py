@@ -51,7 +51,7 @@ def write_config(path: Path, journal_url: str, holder: str, port: int, target: s
     return path
 
 
-async def until(check: Callable[[], Awaitable[bool]], what: str, timeout: float = 20.0) -> None:
+async def until(check: Callable[[], Awaitable[bool]], what: str, timeout: float = 120.0) -> None:
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout
     while loop.time() < end:

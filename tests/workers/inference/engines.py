@@ -80,7 +80,7 @@ class Recorded:
         return [path for _, path in self.calls]
 
 
-async def until(check: Any, timeout: float = 30.0, what: str = "condition") -> Any:
+async def until(check: Any, timeout: float = 120.0, what: str = "condition") -> Any:
     """Poll ``await check()`` until it is truthy; fail after ``timeout`` seconds (a safety net)."""
     end = time.monotonic() + timeout
     while True:

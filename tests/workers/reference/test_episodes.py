@@ -60,7 +60,7 @@ async def test_full_episode_runs_every_step_once(procs: Procs, controller: Parti
     assert (await controller.status(stack.url("resources")))["session_states"] == 0
 
 
-async def until(check: Any, timeout: float = 20.0) -> None:
+async def until(check: Any, timeout: float = 120.0) -> None:
     end = time.monotonic() + timeout
     while not await check():
         assert time.monotonic() < end, "timed out waiting"

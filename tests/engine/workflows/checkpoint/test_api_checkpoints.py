@@ -59,7 +59,7 @@ async def call(method: str, url: str, **kw: Any) -> tuple[int, Any]:
         return r.status, await r.json(content_type=None)
 
 
-async def until(check: Any, timeout: float = 30.0, what: str = "") -> Any:
+async def until(check: Any, timeout: float = 120.0, what: str = "") -> Any:
     end = time.monotonic() + timeout
     while True:
         value = await check()
@@ -76,7 +76,7 @@ async def wait_healthy(base: str, n: int = 4) -> None:
     await until(ok, what="participants healthy")
 
 
-async def wait_state(base: str, path: str, states: tuple[str, ...], timeout: float = 60.0) -> dict[str, Any]:
+async def wait_state(base: str, path: str, states: tuple[str, ...], timeout: float = 120.0) -> dict[str, Any]:
     async def reached() -> dict[str, Any] | None:
         status, body = await call("GET", f"{base}{path}")
         assert status == 200, body

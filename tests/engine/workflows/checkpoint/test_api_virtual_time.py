@@ -48,7 +48,7 @@ async def call(method: str, url: str, **kw: Any) -> tuple[int, Any]:
         return r.status, await r.json(content_type=None)
 
 
-async def until(check: Callable[[], Awaitable[Any]], what: str, timeout: float = 30.0) -> Any:
+async def until(check: Callable[[], Awaitable[Any]], what: str, timeout: float = 120.0) -> Any:
     end = time.monotonic() + timeout
     while not (value := await check()):
         assert time.monotonic() < end, f"timed out: {what}"

@@ -73,7 +73,7 @@ async def leading(orch: Orchestrator) -> None:
     await until(lambda: asyncio.sleep(0, result=orch.is_leader and orch.working()), what="leader")
 
 
-async def wait_job(base: str, job_id: str, *states: str, timeout: float = 40) -> dict[str, Any]:
+async def wait_job(base: str, job_id: str, *states: str, timeout: float = 120) -> dict[str, Any]:
     async def reached() -> dict[str, Any] | None:
         status, body = await call("GET", f"{base}/v1/jobs/{job_id}")
         assert status == 200, body

@@ -67,7 +67,7 @@ async def engine_rows(journal: Journal) -> dict[str, dict[str, Any]]:
         return {r.id: dict(r._mapping) for r in (await conn.execute(sa.select(t))).all()}
 
 
-async def until_engines(journal: Journal, state: str, version: str | None, timeout: float = 30) -> None:
+async def until_engines(journal: Journal, state: str, version: str | None, timeout: float = 120) -> None:
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
         rows = await engine_rows(journal)
@@ -91,7 +91,7 @@ async def engine_events(journal: Journal, epoch: int) -> dict[str, list[tuple[st
 
 
 async def until_verified(journal: Journal, epoch: int, state: str, version: str | None,
-                         timeout: float = 30) -> None:
+                         timeout: float = 120) -> None:
     """Wait until every engine row is ``state`` on ``version`` *as the gate found it under epoch
     ``epoch``*: the row was made ``unverified`` at that election and the gate moved it on since. A
     row still saying what an earlier leader recorded does not count, whatever it says."""
