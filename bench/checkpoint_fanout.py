@@ -562,7 +562,7 @@ async def recovery(backend: str, tmp: Path, parts: Participants, peer: Peer, rol
             for i in range(0, rollouts, 1000):
                 outcomes = await journal.apply([[
                     Create("rollouts", f"rollout-{j:06d}", "dispatched (bench)",
-                           {"attempt": 0, "task": {"prompt": f"task {j}", "turns": 4}})
+                           {"attempt": 0, "task": {"prompt": f"task {j}", "turns": 4}}, state="dispatched")
                     for j in range(i, min(i + 1000, rollouts))]])
                 if isinstance(outcomes[0], Exception):
                     raise outcomes[0]

@@ -106,6 +106,8 @@ class ReconcilerSettings(_Strict):
 class DispatcherSettings(_Strict):
     # A checkpoint stage fans out to every participant of a kind at once: keep room for a stage.
     concurrency: int = Field(default=256, ge=1, le=4096)
+    #: Data calls in flight (a rollout's /run lasts its episode), counted apart from control calls.
+    data_concurrency: int = Field(default=1024, ge=1, le=65_536)
     batch: int = Field(default=256, ge=1, le=10_000)
     poll_s: float = Field(default=1.0, gt=0, le=3600)
     backoff_base_s: float = Field(default=0.5, gt=0, le=3600)
@@ -115,7 +117,8 @@ class DispatcherSettings(_Strict):
 class RpcSettings(_Strict):
     control_pool: int = Field(default=64, ge=1, le=65_536)
     control_per_host: int = Field(default=8, ge=0, le=65_536)
-    data_pool: int = Field(default=16, ge=1, le=65_536)
+    #: A rollout's /run holds one for its whole episode: at least rollouts.max_in_flight.
+    data_pool: int = Field(default=256, ge=1, le=65_536)
     transport_tries: int = Field(default=3, ge=1, le=20)
     retry_backoff_s: float = Field(default=0.2, ge=0, le=3600)
 
@@ -181,6 +184,21 @@ def _unique_names(entries: list[E], what: str) -> list[E]:
 
 class EngineEntry(ParticipantEntry):
     """An inference engine of the deployment (SGLang's HTTP admin API, or the reference engine)."""
+
+
+class RolloutsSettings(_Strict):
+    """Dispatching submitted rollouts (docs/rollouts.md): how many attempts run at once, and the
+    retry rule. Each attempt's /run holds a data-pool connection for its episode, so
+    ``max_in_flight`` may not exceed ``rpc.data_pool``."""
+
+    #: Attempts in flight across every environment server.
+    max_in_flight: int = Field(default=256, ge=1, le=100_000)
+    #: Attempts in flight on one environment server.
+    per_environment: int = Field(default=32, ge=1, le=100_000)
+    #: Attempts that may end in a typed error before the rollout fails.
+    max_failures: int = Field(default=3, ge=1, le=100)
+    #: The longest one attempt's /run may take (its whole episode).
+    run_timeout_s: float = Field(default=3600.0, gt=0, le=7 * 86_400)
 
 
 class TrainerSettingsModel(_Strict):
@@ -260,6 +278,7 @@ class Settings(_Strict):
     rpc: RpcSettings = RpcSettings()
     discovery: DiscoverySettingsModel = DiscoverySettingsModel()
     checkpoint: CheckpointWorkflowSettings = CheckpointWorkflowSettings()
+    rollouts: RolloutsSettings = RolloutsSettings()
     participants: list[ParticipantEntry] = Field(default_factory=list)
     training: TrainingWorkflowSettings = TrainingWorkflowSettings()
     logging: LoggingSettings = LoggingSettings()
@@ -318,6 +337,15 @@ class Settings(_Strict):
     @classmethod
     def _unique(cls, v: list[ParticipantEntry]) -> list[ParticipantEntry]:
         return _unique_names(v, "participant")
+
+    @model_validator(mode="after")
+    def _connections_for_rollouts(self) -> Settings:
+        # Each attempt's /run holds a data-pool connection for its whole episode: with fewer
+        # connections than attempts in flight, admitted attempts would wait unseen for a socket.
+        if self.rollouts.max_in_flight > self.rpc.data_pool:
+            raise ValueError(f"rollouts.max_in_flight ({self.rollouts.max_in_flight}) exceeds rpc.data_pool "
+                             f"({self.rpc.data_pool}): each attempt in flight holds a data connection")
+        return self
 
     def token(self) -> str | None:
         """The control token: ``TIDELOG_CONTROL_TOKEN`` first, then ``control.token``."""

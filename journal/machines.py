@@ -162,14 +162,24 @@ CHECKPOINT_MEMBERS = StateMachine.build(
 
 ROLLOUTS = StateMachine.build(
     "rollouts",
-    initial=["dispatched"],
+    # pending: submitted (or its next attempt queued), waiting for a dispatch slot. dispatched as an
+    # initial state: a row written by a controller that sends /run itself (tests, older callers).
+    initial=["pending", "dispatched"],
     edges={
-        # Self-edge on dispatched: the next attempt (after a restore, or a rerun after a retire).
-        "dispatched": ["dispatched", "finished", "restart", "retiring"],
+        "pending": ["dispatched"],
+        # Self-edge on dispatched: a restore continues the attempt as the next one. -> pending: the
+        # environment refused to start the attempt (a checkpoint was open, or the call never left).
+        "dispatched": ["dispatched", "pending", "finished", "restart", "retiring", "ambiguous", "errored"],
+        # ambiguous: the /run's outcome is unknown (in flight when the orchestrator died); errored:
+        # the attempt ended with a typed error. Both are retired everywhere before the next attempt.
+        "ambiguous": ["retiring"],
+        "errored": ["retiring"],
         "restart": ["finished", "retiring"],
         "retiring": ["retired"],
-        "retired": ["dispatched", "forgotten"],
+        # -> pending: run again as the next attempt; -> failed: the retry limit was reached.
+        "retired": ["dispatched", "pending", "failed", "forgotten"],
         "finished": ["forgotten"],
+        "failed": ["forgotten"],
     },
     terminal=["forgotten"],
 )

@@ -169,6 +169,9 @@ checkpoint_members = sa.Table(
     sa.Index("ix_checkpoint_members_checkpoint", "checkpoint_id", "stage"),
 )
 
+#: Rollout states in which some attempt may still run or is about to (see journal.machines.ROLLOUTS).
+ROLLOUTS_LIVE = "state IN ('pending', 'dispatched', 'restart', 'retiring', 'ambiguous', 'errored')"
+
 rollouts = sa.Table(
     "rollouts",
     metadata,
@@ -179,9 +182,25 @@ rollouts = sa.Table(
     # The last published checkpoint that continued this rollout.
     sa.Column("checkpoint_id", sa.String(255), nullable=True),
     sa.Column("detail", sa.Text, nullable=True),
+    # The submitter's labels (free-form JSON object), returned as given.
+    sa.Column("labels", JSONValue(), nullable=True),
+    # The environment server (participant id) the current attempt was sent to.
+    sa.Column("environment", sa.String(255), nullable=True),
+    # The committed weight version when the current attempt was sent (null without training).
+    sa.Column("weight_version", sa.String(255), nullable=True),
+    # Attempts that ended with a typed error from the environment (the retry limit counts these).
+    sa.Column("failures", sa.Integer, nullable=False, default=0, server_default="0"),
+    # The outbox intent (rpc_calls.id) of the current attempt's /run.
+    sa.Column("run_call", sa.String(64), nullable=True),
+    sa.Column("dispatched_at", UTCDateTime(), nullable=True),
+    sa.Column("ended_at", UTCDateTime(), nullable=True),
     sa.Index("ix_rollouts_live", "state",
-             sqlite_where=sa.text("state IN ('dispatched', 'restart', 'retiring')"),
-             postgresql_where=sa.text("state IN ('dispatched', 'restart', 'retiring')")),
+             sqlite_where=sa.text(ROLLOUTS_LIVE), postgresql_where=sa.text(ROLLOUTS_LIVE)),
+    sa.Index("ix_rollouts_pending", "created_at", "id",
+             sqlite_where=sa.text("state = 'pending'"), postgresql_where=sa.text("state = 'pending'")),
+    sa.Index("ix_rollouts_done", "updated_at", "id",
+             sqlite_where=sa.text("state IN ('finished', 'failed')"),
+             postgresql_where=sa.text("state IN ('finished', 'failed')")),
 )
 
 restores = sa.Table(

@@ -167,12 +167,15 @@ async def get(tx: WriteTx, call_id: str) -> Row | None:
     return await tx.get(KIND, call_id)
 
 
-async def due(conn: Any, now: datetime, *, limit: int) -> list[Row]:
-    """Up to ``limit`` ``pending`` intents due at ``now``, earliest first (a read; claim them with
-    :func:`claim`, each a compare-and-set, so a row another claimer took is simply stale)."""
+async def due(conn: Any, now: datetime, *, limit: int, pool: Pool | None = None) -> list[Row]:
+    """Up to ``limit`` ``pending`` intents due at ``now`` (of ``pool`` only, if given), earliest first
+    (a read; claim them with :func:`claim`, each a compare-and-set, so a row another claimer took is
+    simply stale)."""
     t = models.rpc_calls
-    stmt = (sa.select(t).where(t.c.state == "pending", t.c.next_attempt_at <= now)
-            .order_by(t.c.next_attempt_at, t.c.id).limit(limit))
+    stmt = sa.select(t).where(t.c.state == "pending", t.c.next_attempt_at <= now)
+    if pool is not None:
+        stmt = stmt.where(t.c.pool == pool)
+    stmt = stmt.order_by(t.c.next_attempt_at, t.c.id).limit(limit)
     return [to_row(KIND, r._mapping) for r in (await conn.execute(stmt)).all()]
 
 

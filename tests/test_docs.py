@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_the_docs_show_every_builtin_machine() -> None:
     text = "".join((ROOT / "docs" / name).read_text() for name in ("architecture.md", "checkpointing.md",
-                                                                              "training.md"))
+                                                                              "rollouts.md", "training.md"))
     for kind in builtin_kinds():
         assert f"```mermaid\n{kind.machine.mermaid()}\n```" in text, f"diagram of {kind.name} is out of date"
 

@@ -14,6 +14,10 @@ created already ``inflight`` (claimed at creation) is handed over with
   and may have reached the remote becomes ``ambiguous`` instead: it is never
   sent again.
 
+Each connection pool has its own bound on calls in flight (``concurrency`` for ``control``,
+``data_concurrency`` for ``data``) and is claimed for separately, so long data calls (a rollout's
+``/run`` lasts its episode) never hold the slots a checkpoint's control calls need.
+
 Before each send the dispatcher checks that it still holds a valid lease;
 if not, the intent is left ``inflight`` for the next leader's recovery.
 """
@@ -61,7 +65,7 @@ def _worth_recording_again(exc: BaseException) -> bool:
 class Dispatcher:
     def __init__(self, journal: Journal, committer: GroupCommitter, rpc: RpcClient, clock: Clock,
                  fence: Callable[[], Fence | None], on_done: OnDone, *, concurrency: int = 32,
-                 batch: int = 64, poll_s: float = 1.0, backoff_base_s: float = 0.5,
+                 data_concurrency: int | None = None, batch: int = 64, poll_s: float = 1.0, backoff_base_s: float = 0.5,
                  backoff_cap_s: float = 30.0, metrics: Metrics | None = None) -> None:
         self._journal = journal
         self._committer = committer
@@ -69,14 +73,16 @@ class Dispatcher:
         self._clock = clock
         self._fence = fence
         self._on_done = on_done
-        self._sem = asyncio.Semaphore(concurrency)
-        self._concurrency = concurrency
+        self._limits: dict[outbox.Pool, int] = {"control": concurrency,
+                                        "data": concurrency if data_concurrency is None else data_concurrency}
+        self._sems = {pool: asyncio.Semaphore(n) for pool, n in self._limits.items()}
         self._batch = batch
         self._poll_s = poll_s
         self._backoff = (backoff_base_s, backoff_cap_s)
         self._metrics = metrics or Metrics()
         self._wake = asyncio.Event()
         self._calls: set[asyncio.Task[None]] = set()
+        self._by_pool: dict[outbox.Pool, set[asyncio.Task[None]]] = {pool: set() for pool in self._limits}
         # Shared bodies by id (content-addressed, so never stale); the bytes every call of a fan-out sends.
         self._bodies: OrderedDict[str, bytes] = OrderedDict()
         self._reading: dict[str, asyncio.Future[bytes]] = {}
@@ -141,17 +147,24 @@ class Dispatcher:
             if self._calls:
                 await asyncio.gather(*list(self._calls), return_exceptions=True)
 
-    async def _pass(self) -> bool:
-        """Claim what is due and start the calls; True when the claim was full."""
-        self._wake.clear()
-        limit = min(self._concurrency - len(self._calls), self._batch)
-        # Every slot taken: a finished call wakes the loop (else only commits and timers do, so a
-        # fan-out's hundreds of replies do not each cost a look at the outbox).
-        self._slots_wanted = limit <= 0
-        if limit <= 0:
-            return False
+    def _room(self, pool: outbox.Pool) -> int:
+        return self._limits[pool] - len(self._by_pool[pool])
 
-        claiming = asyncio.ensure_future(self._claim(limit))
+    async def _pass(self) -> bool:
+        """Claim what is due and start the calls, pool by pool; True when a pool's claim was full."""
+        self._wake.clear()
+        full = False
+        # A pool with every slot taken: a finished call wakes the loop (else only commits and
+        # timers do, so a fan-out's hundreds of replies do not each cost a look at the outbox).
+        self._slots_wanted = any(self._room(pool) <= 0 for pool in self._limits)
+        for pool in self._limits:
+            limit = min(self._room(pool), self._batch)
+            if limit > 0:
+                full = await self._pass_pool(pool, limit) or full
+        return full
+
+    async def _pass_pool(self, pool: outbox.Pool, limit: int) -> bool:
+        claiming = asyncio.ensure_future(self._claim(limit, pool))
         try:
             claimed = await asyncio.shield(claiming)
         except asyncio.CancelledError:
@@ -165,11 +178,11 @@ class Dispatcher:
         self._start(claimed)
         return len(claimed) == limit
 
-    async def _claim(self, limit: int) -> list[Row]:
-        """Read what is due, then claim each row with its own compare-and-set, all in one commit
-        (on PostgreSQL one statement). A row moved meanwhile is stale and skipped."""
+    async def _claim(self, limit: int, pool: outbox.Pool) -> list[Row]:
+        """Read what is due in ``pool``, then claim each row with its own compare-and-set, all in one
+        commit (on PostgreSQL one statement). A row moved meanwhile is stale and skipped."""
         async with self._journal.read() as conn:
-            rows = await outbox.due(conn, self._clock.now(), limit=limit)
+            rows = await outbox.due(conn, self._clock.now(), limit=limit, pool=pool)
         outcomes = await self._committer.apply_each([outbox.claim(r) for r in rows])
         claimed = [outbox.claimed(r) for r, got in zip(rows, outcomes) if not isinstance(got, Exception)]
         errors = [got for got in outcomes if isinstance(got, Exception) and not isinstance(got, StaleRow)]
@@ -181,10 +194,13 @@ class Dispatcher:
         for row in claimed:
             task = asyncio.create_task(self._call(row), name=f"tidelog-rpc-{row.id[:12]}")
             self._calls.add(task)
+            self._by_pool[row["pool"] if row["pool"] in self._by_pool else "control"].add(task)
             task.add_done_callback(self._call_done)
 
     def _call_done(self, task: asyncio.Task[None]) -> None:
         self._calls.discard(task)
+        for tasks in self._by_pool.values():
+            tasks.discard(task)
         if self._slots_wanted:
             self._wake.set()
 
@@ -194,7 +210,7 @@ class Dispatcher:
             due = await outbox.next_due(conn)
         if due is not None:
             delay = min(delay, max(0.0, (due - self._clock.now()).total_seconds()))
-        if delay <= 0 and self.in_flight >= self._concurrency:
+        if delay <= 0 and all(self._room(pool) <= 0 for pool in self._limits):
             delay = self._poll_s
         if delay <= 0:
             return
@@ -241,7 +257,7 @@ class Dispatcher:
 
     async def _call(self, row: Row) -> None:
         owner = (row["entity_kind"], row["entity_id"])
-        async with self._sem:
+        async with self._sems[row["pool"] if row["pool"] in self._sems else "control"]:
             if self._fence() is None:
                 # Lease gone between claim and send: leave it inflight for the next leader.
                 log.warning("not sending rpc %s: lease no longer held", row.id[:12])

@@ -106,9 +106,15 @@ class Controller(Protocol):
         """Every commit of this process, before any wake-up (for an in-memory view of its calls)."""
         ...
 
+    def attach(self, enqueue: Callable[[str, str], None]) -> None:
+        """Called once at registration with the reconciler's ``enqueue(kind, id)``: a controller
+        that parks rows (waiting for capacity) wakes them with it. A wake-up only: a parked row
+        is also looked at again by its ``requeue_after`` and by every resync."""
+        ...
+
 
 class BaseController:
-    """The optional hooks' defaults: never waiting, no interest in commits."""
+    """The optional hooks' defaults: never waiting, no interest in commits, nothing to wake."""
 
     kind: str
 
@@ -116,6 +122,9 @@ class BaseController:
         return False
 
     def on_commit(self, committed: Sequence[Committed]) -> None:
+        return None
+
+    def attach(self, enqueue: Callable[[str, str], None]) -> None:
         return None
 
 
@@ -151,6 +160,9 @@ class Reconciler:
             raise ValueError(f"a controller for {controller.kind!r} is already registered")
         self.journal.kinds.get(controller.kind)  # the kind must exist
         self.controllers[controller.kind] = controller
+        attach = getattr(controller, "attach", None)
+        if attach is not None:
+            attach(self.enqueue)
 
     def enqueue(self, kind: str, entity_id: str) -> None:
         if kind in self.controllers:

@@ -79,7 +79,8 @@ class Orchestrator:
                                      metrics=self.metrics)
         d = settings.dispatcher
         self.dispatcher = Dispatcher(self.journal, self.committer, self.rpc, self.clock, self.leader.fence,
-                                     self.reconciler.call_done, concurrency=d.concurrency, batch=d.batch,
+                                     self.reconciler.call_done, concurrency=d.concurrency,
+                                     data_concurrency=d.data_concurrency, batch=d.batch,
                                      poll_s=d.poll_s, backoff_base_s=d.backoff_base_s,
                                      backoff_cap_s=d.backoff_cap_s, metrics=self.metrics)
         # Controllers claim the repeatable calls they write; this dispatcher sends them after the commit.

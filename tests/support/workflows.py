@@ -95,7 +95,7 @@ async def rpc_calls(orch: Orchestrator) -> dict[str, Any]:
     return out
 
 
-async def until(check: Any, timeout: float = 30.0) -> Any:
+async def until(check: Any, timeout: float = 120.0) -> Any:
     end = time.monotonic() + timeout
     while True:
         value = await check()
@@ -150,7 +150,7 @@ async def add_rollouts(orch: Orchestrator, tasks: Mapping[str, Any]) -> None:
     """A ``dispatched`` rollout row (attempt 0) per task."""
     async def create(tx: Any) -> None:
         for rid, task in tasks.items():
-            await tx.create("rollouts", rid, reason="dispatched", values={"attempt": 0, "task": task})
+            await tx.create("rollouts", rid, reason="dispatched", state="dispatched", values={"attempt": 0, "task": task})
     await orch.committer.run(create)
 
 

@@ -1,8 +1,11 @@
 """Reference environment server: multi-turn episodes, checkpointable at every step boundary.
 
-``POST /run`` with ``{"rollout_id", "attempt", "task": {"prompt", "turns"}}`` runs
+``POST /run`` with ``{"rollout_id", "attempt"?, "task": {"prompt", "turns"}}`` runs
 one attempt of an episode and answers ``{"rollout_id", "attempt", "actions",
-"checks", "reward"}``. The episode:
+"checks", "reward"}``. The attempt is ``attempt`` (default 0) or, as the protocol's agents read
+it, the suffix of an attempt-qualified ``rollout_id`` (``"r-a2"`` is attempt 2 of ``r``, which is
+how Tidelog sends every attempt after the first); a body that sets both is refused
+(``invalid_request``), since the two would contradict each other. The episode:
 
 1. seeds a resources session (``/seed_session``; its reply says the verify mode
    and whether the episode is a restart) and an agent session;
@@ -39,7 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ..participant.kinds.agent import RESTART_HEADER
 from ..participant.kinds.environment import Episode, EnvironmentParticipant
 from ..participant.kinds.resources import verify_mode_of
-from ..protocol import EpisodeId, ErrorCode, ProtocolError
+from ..protocol import ATTEMPT_SUFFIX, EpisodeId, ErrorCode, ProtocolError
 from . import _common
 from ._common import Executions, json_response, read_json
 
@@ -53,8 +56,18 @@ class Task(BaseModel):
 class RunRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     rollout_id: str
-    attempt: int = Field(default=0, ge=0)
+    attempt: int | None = Field(default=None, ge=0)
     task: Task
+
+    def episode(self) -> EpisodeId:
+        """The attempt this body names: ``attempt``, or the ``-a<N>`` suffix of ``rollout_id``."""
+        if ATTEMPT_SUFFIX.search(self.rollout_id) is None:
+            return EpisodeId(rollout_id=self.rollout_id, attempt=self.attempt or 0)
+        if self.attempt is not None:
+            raise ProtocolError(ErrorCode.INVALID_REQUEST,
+                                f"invalid /run body: rollout_id {self.rollout_id!r} names an attempt by its suffix "
+                                f"and attempt={self.attempt} names one too; send one of them")
+        return EpisodeId.from_capture_key(self.rollout_id)
 
 
 class ReferenceEnvironment(EnvironmentParticipant):
@@ -150,7 +163,7 @@ def build_app(args: argparse.Namespace, token: str) -> web.Application:
     async def run(request: web.Request) -> web.Response:
         try:
             req = RunRequest.model_validate(await read_json(request))
-            episode = EpisodeId(rollout_id=req.rollout_id, attempt=req.attempt)
+            episode = req.episode()
         except ValidationError as exc:
             raise ProtocolError(ErrorCode.INVALID_REQUEST, f"invalid /run body: {exc.errors()[0]['msg']}") from None
         task = req.task.model_dump()

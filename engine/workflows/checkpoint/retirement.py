@@ -5,9 +5,9 @@ A ``retirements`` row is one retire or forget request (:func:`request_retirement
 - ``queued`` while a checkpoint or a restore is open (participants refuse retire
   and forget then, ``invalid_phase``) or while an earlier retirement is not
   finished (requests run one at a time, oldest first); looked at again every
-  ``poll_s``. A forget naming a rollout whose row is still live (``dispatched``,
-  ``restart``, ``retiring``) is refused here: ``failed``, the detail naming them,
-  nothing sent. A retire moves the ``dispatched``/``restart`` rollout rows it
+  ``poll_s``. A forget naming a rollout whose row is still live (:data:`LIVE_ROLLOUT`:
+  ``pending``, ``dispatched``, ``restart``, ``retiring``, ``ambiguous``, ``errored``) is
+  refused here: ``failed``, the detail naming them, nothing sent. A retire moves the ``dispatched``/``restart`` rollout rows it
   covers to ``retiring`` in the same write as ``queued -> running``.
 - ``running``: one stage at a time in :data:`RETIRE_ORDER` (environment, then
   agent, then model and resources; ``stage`` is the index, advanced with the
@@ -17,7 +17,7 @@ A ``retirements`` row is one retire or forget request (:func:`request_retirement
   rollout_ids}``; ``checkpoint_id`` is ``<op>-<12 hex of the row id>`` and the
   deadline is the stage's start plus ``retire_timeout_s``.
 - ``done`` once every stage succeeded (retire: ``retiring -> retired``; forget:
-  ``finished``/``retired -> forgotten``, in the same write); ``failed`` with every
+  ``finished``/``failed``/``retired -> forgotten``, in the same write); ``failed`` with every
   participant error of the first stage that had one. A failed retire leaves its
   marks on the participants that applied it (marks are only removed by forget)
   and its rollout rows ``retiring``; a new retire request finishes them.
@@ -52,7 +52,8 @@ KIND = "retirements"
 ROLLOUTS = "rollouts"
 #: Callers before callees.
 RETIRE_ORDER: tuple[tuple[str, ...], ...] = (("environment",), ("agent",), ("model", "resources"))
-LIVE_ROLLOUT = ("dispatched", "restart", "retiring")
+#: Rollout states in which an attempt may still run, or the rollout will run again.
+LIVE_ROLLOUT = ("pending", "dispatched", "restart", "retiring", "ambiguous", "errored")
 Op = Literal["retire", "forget"]
 
 
@@ -240,7 +241,7 @@ class RetirementController(BaseController):
                     for r in rollouts if r.state == "retiring" and r["attempt"] <= latest[r.id]]
         else:
             ops += [Transition(ROLLOUTS, r.id, r.state, r.version, "forgotten", f"forgotten ({row.id})")
-                    for r in rollouts if r.state in ("finished", "retired")]
+                    for r in rollouts if r.state in ("finished", "failed", "retired")]
             skipped = [r.id for r in rollouts if r.state in LIVE_ROLLOUT]
             if skipped:
                 ops[0] = Transition(KIND, row.id, "running", row.version, "done", ops[0].reason,

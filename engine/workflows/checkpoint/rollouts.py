@@ -1,0 +1,303 @@
+"""The rollout machine: every attempt of every rollout is a step of its ``rollouts`` row.
+
+States (``journal.machines.ROLLOUTS``) and what :class:`RolloutController` does in each:
+
+- ``pending``: the rollout waits for a slot. Dispatch is admitted only while no checkpoint and no
+  restore is open (the protocol's controller sends no new ``/run`` from prepare to resume), a
+  healthy environment server has room (``per_environment`` attempts in flight each) and fewer than
+  ``max_in_flight`` attempts are in flight in all. Admitted, one write moves the row to
+  ``dispatched`` (its ``environment``, ``run_call``, ``dispatched_at``) and creates the ``/run``
+  intent; the admission is checked again inside that write, so two dispatches never take one slot.
+  A row refused a slot is parked in memory and woken when a slot frees (or a checkpoint or restore
+  ends, or an environment turns healthy); every resync looks at it again anyway.
+- ``dispatched``: the ``/run`` is an outbox intent that is **not safe to repeat** (a second
+  execution of an attempt orphans the first one's agent session), on the ``data`` pool. Its body is
+  ``{"rollout_id": "<id>" | "<id>-a<N>", "task": <input>}``: attempt N ≥ 1 is named by the
+  attempt-qualified id, as the protocol's agents read it. When the call settles:
+  ``succeeded`` → ``finished`` (the reply is the ``result``); ``ambiguous`` (in flight when an
+  orchestrator died, or the connection broke after the request left) → ``ambiguous``; refused
+  before the attempt started (``checkpoint_parked``: a checkpoint closed admission first; or the
+  request never left) → back to ``pending`` as the same attempt; any other error → ``errored``,
+  ``failures`` + 1. A ``dispatched`` row without a ``run_call`` was sent by someone else (a test's
+  own controller) and is left alone.
+- ``ambiguous`` and ``errored``: the attempt is retired everywhere (a ``retirements`` request
+  ``rerun-…`` naming it, created in the same write that moves the row to ``retiring``), so nothing
+  of it can still run or write, before the rollout goes on.
+- ``retired`` by its own ``rerun-…`` request → ``failed`` once ``failures`` reached
+  ``max_failures`` (the reason names the last error), else → ``pending`` as attempt N + 1, run again
+  from its input. A rollout retired by another request (an operator's ``POST
+  /v1/rollouts/{id}/retire``) stays ``retired``: what comes next is the operator's (``forget``).
+
+The row's ``detail`` says why its last attempt ended. ``finished`` and ``failed`` rows are done for
+good (forgetting them everywhere is :mod:`engine.workflows.checkpoint.retirement`'s ``forget``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+
+from journal import Committed, WriteTx, models, outbox
+from journal.machines import CHECKPOINTS, RESTORES
+from journal.writes import Row
+from workers.protocol import EpisodeId, ErrorCode
+
+from engine.runtime.reconciler import BaseController, Context, Result
+from engine.workflows.checkpoint.retirement import request_retirement
+
+log = logging.getLogger("tidelog.rollouts")
+
+KIND = "rollouts"
+RUN_PATH = "/run"
+#: Errors that say the attempt never started, so sending it again as the same attempt is safe.
+NOT_STARTED = frozenset({ErrorCode.CHECKPOINT_PARKED.value})
+#: Seconds an environment that refused a connection is passed over by new dispatches.
+COOLDOWN_S = 2.0
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """Dispatch bounds and the retry rule (the ``rollouts`` section of the configuration)."""
+
+    max_in_flight: int = 256
+    per_environment: int = 32
+    max_failures: int = 3
+    run_timeout_s: float = 3600.0
+
+
+class Parked(Exception):
+    """No slot for a dispatch now; says why (the row waits, parked)."""
+
+
+@dataclass(frozen=True)
+class Slot:
+    name: str
+    url: str
+
+
+def run_body(rollout_id: str, attempt: int, task: Any) -> dict[str, Any]:
+    """The ``/run`` body of ``attempt`` of ``rollout_id``: the attempt-qualified id and the input."""
+    return {"rollout_id": EpisodeId(rollout_id=rollout_id, attempt=attempt).capture_key, "task": task}
+
+
+def rerun_id(rollout_id: str, attempt: int) -> str:
+    """The id of the retirement that retires ``attempt`` of ``rollout_id`` before the next one."""
+    digest = hashlib.sha256(f"{rollout_id}\x1f{attempt}".encode()).hexdigest()[:24]
+    return f"rerun-{digest}"
+
+
+async def open_workflow(conn: Any) -> str | None:
+    """The checkpoint or restore that holds dispatch paused, described; ``None`` when none is open.
+
+    A straggler retry that has not started preparing holds no participant closed (as the
+    retirement workflow counts it), so it does not pause dispatch either."""
+    c, r = models.checkpoints, models.restores
+    checkpoint = (await conn.execute(sa.select(c.c.id).where(
+        c.c.state.not_in(sorted(CHECKPOINTS.terminal)),
+        sa.not_(sa.and_(c.c.state == "preparing", c.c.deadline_ts.is_(None), c.c.retry_of.is_not(None))))
+        .limit(1))).scalar()
+    if checkpoint is not None:
+        return f"checkpoint {checkpoint} is open"
+    restore = (await conn.execute(sa.select(r.c.id).where(r.c.state.not_in(sorted(RESTORES.terminal))).limit(1))
+               ).scalar()
+    return None if restore is None else f"restore {restore} is open"
+
+
+class RolloutController(BaseController):
+    """Runs ``rollouts`` rows (see the module docstring)."""
+
+    kind = KIND
+
+    def __init__(self, settings: RolloutSettings | None = None) -> None:
+        self.settings = settings or RolloutSettings()
+        # Pending rows refused a slot, oldest first: a wake-up list only (resync covers them too).
+        self._parked: dict[str, None] = {}
+        self._cooling: dict[str, float] = {}
+        self._enqueue: Callable[[str, str], None] | None = None
+
+    # -- wake-ups -----------------------------------------------------------------------------------
+
+    def attach(self, enqueue: Callable[[str, str], None]) -> None:
+        self._enqueue = enqueue
+
+    def on_commit(self, committed: Sequence[Committed]) -> None:
+        freed, reopened = 0, False
+        for c in committed:
+            if c.kind == KIND and c.from_state == "dispatched" and c.to_state != "dispatched":
+                freed += 1
+            elif c.kind == "checkpoints" and c.to_state in CHECKPOINTS.terminal:
+                reopened = True
+            elif c.kind == "restores" and c.to_state in RESTORES.terminal:
+                reopened = True
+            elif c.kind == "participants" and c.to_state == "healthy" and c.from_state != "healthy":
+                reopened = True
+        self._wake(self.settings.max_in_flight if reopened else freed)
+
+    def _wake(self, n: int) -> None:
+        if n <= 0 or not self._parked or self._enqueue is None:
+            return
+        for entity_id in list(self._parked)[:n]:
+            del self._parked[entity_id]
+            self._enqueue(KIND, entity_id)
+
+    # -- reconcile ----------------------------------------------------------------------------------
+
+    async def reconcile(self, ctx: Context, entity_id: str) -> Result:
+        row = await ctx.get(KIND, entity_id)
+        if row is None:
+            return Result()
+        if row.state == "pending":
+            return await self._dispatch(ctx, row)
+        if row.state == "dispatched":
+            return await self._settle(ctx, row)
+        if row.state in ("ambiguous", "errored"):
+            return await self._retire(ctx, row)
+        if row.state == "retired":
+            return await self._next(ctx, row)
+        return Result()
+
+    # -- pending: admission and dispatch ------------------------------------------------------------
+
+    async def _slot(self, conn: Any, now: float) -> Slot:
+        """The environment to send the next attempt to, or :class:`Parked` saying why there is none."""
+        blocker = await open_workflow(conn)
+        if blocker is not None:
+            raise Parked(blocker)
+        p, t = models.participants, models.rollouts
+        envs = (await conn.execute(sa.select(p.c.id, p.c.url).where(
+            p.c.state == "healthy", p.c.kind == "environment").order_by(p.c.id))).all()
+        envs = [e for e in envs if self._cooling.get(e.id, 0.0) <= now]
+        if not envs:
+            raise Parked("no healthy environment server")
+        busy = dict((await conn.execute(sa.select(t.c.environment, sa.func.count()).where(
+            t.c.state == "dispatched").group_by(t.c.environment))).all())
+        if sum(busy.values()) >= self.settings.max_in_flight:
+            raise Parked(f"{self.settings.max_in_flight} attempts in flight (rollouts.max_in_flight)")
+        name, url = min(((e.id, e.url) for e in envs), key=lambda e: (busy.get(e[0], 0), e[0]))
+        if busy.get(name, 0) >= self.settings.per_environment:
+            raise Parked(f"every environment server has {self.settings.per_environment} attempts in flight "
+                         "(rollouts.per_environment)")
+        return Slot(name, url)
+
+    def _park(self, row: Row, why: str) -> Result:
+        log.debug("rollout %s waits: %s", row.id, why)
+        self._parked[row.id] = None
+        return Result()
+
+    async def _dispatch(self, ctx: Context, row: Row) -> Result:
+        now = ctx.clock.time()
+        try:
+            async with ctx.journal.read() as conn:
+                await self._slot(conn, now)  # a cheap look first: most parked rows stop here
+        except Parked as exc:
+            return self._park(row, str(exc))
+        attempt = int(row["attempt"])
+
+        async def write(tx: WriteTx) -> None:
+            slot = await self._slot(tx, now)
+            intent = outbox.Intent(KIND, row.id, row.state, row.version, slot.url, "POST", RUN_PATH,
+                                   body=run_body(row.id, attempt, row["task"]),
+                                   timeout_s=self.settings.run_timeout_s, repeatable=False, pool="data",
+                                   max_attempts=3)
+            reason = f"attempt {attempt} sent to {slot.name}"
+            await tx.transition(KIND, row.id, from_state="pending", version=row.version, to_state="dispatched",
+                                reason=reason, changes={"environment": slot.name, "run_call": intent.id,
+                                                        "dispatched_at": tx.now, "ended_at": None})
+            await outbox.ensure_all(tx, [(intent, reason)])
+        try:
+            await ctx.write(write)
+        except Parked as exc:
+            return self._park(row, str(exc))
+        return Result()
+
+    # -- dispatched: the /run's outcome -------------------------------------------------------------
+
+    async def _settle(self, ctx: Context, row: Row) -> Result:
+        if row["run_call"] is None:
+            return Result()
+        t = models.rpc_calls
+        async with ctx.journal.read() as conn:
+            found = (await conn.execute(sa.select(t.c.state, t.c.result, t.c.error).where(
+                t.c.id == row["run_call"]))).first()
+        if found is None:
+            log.error("rollout %s: its /run intent %s is not in the outbox", row.id, row["run_call"][:12])
+            return Result()
+        attempt, env = int(row["attempt"]), row["environment"]
+        if found.state == "succeeded":
+            await self._move(ctx, row, "finished", f"attempt {attempt} finished on {env}",
+                             result=found.result)
+        elif found.state == "ambiguous":
+            await self._move(ctx, row, "ambiguous", f"attempt {attempt}'s /run to {env} has no known outcome "
+                             f"(not sent again): {_said(found.error)}", detail=_said(found.error))
+        elif found.state == "failed":
+            error = found.error if isinstance(found.error, Mapping) else {}
+            if error.get("code") in NOT_STARTED or (error.get("type") == "TransportError" and not error.get("sent")):
+                if error.get("type") == "TransportError" and env is not None:
+                    self._cooling[env] = ctx.clock.time() + COOLDOWN_S
+                await self._move(ctx, row, "pending", f"attempt {attempt} did not start on {env} "
+                                 f"({_said(error)}); it is sent again", run_call=None, environment=None)
+            else:
+                failures = int(row["failures"]) + 1
+                await self._move(ctx, row, "errored", f"attempt {attempt} failed on {env}: {_said(error)}",
+                                 failures=failures, detail=f"attempt {attempt} on {env}: {_said(error)}")
+        return Result()
+
+    async def _move(self, ctx: Context, row: Row, to: str, reason: str, **changes: Any) -> None:
+        """One compare-and-set of the row to ``to``; ``ended_at`` is when the attempt ended (none
+        for a row that waits for its next dispatch)."""
+        async def write(tx: WriteTx) -> None:
+            values = {**changes, "ended_at": None if to == "pending" else tx.now}
+            await tx.transition(KIND, row.id, from_state=row.state, version=row.version, to_state=to,
+                                reason=reason[:500], changes=values)
+        await ctx.write(write)
+
+    # -- ambiguous, errored: retire the attempt everywhere ------------------------------------------
+
+    async def _retire(self, ctx: Context, row: Row) -> Result:
+        attempt = int(row["attempt"])
+        retirement = rerun_id(row.id, attempt)
+
+        async def write(tx: WriteTx) -> None:
+            await request_retirement(tx, retirement, "retire", episodes=[EpisodeId(rollout_id=row.id,
+                                                                                     attempt=attempt)])
+            await tx.transition(KIND, row.id, from_state=row.state, version=row.version, to_state="retiring",
+                                reason=f"attempt {attempt} is retired everywhere before the rollout goes on "
+                                       f"({retirement})")
+        await ctx.write(write)
+        return Result()
+
+    # -- retired: the next attempt, or the end --------------------------------------------------------
+
+    async def _next(self, ctx: Context, row: Row) -> Result:
+        attempt, failures = int(row["attempt"]), int(row["failures"])
+        q = models.retirements
+        async with ctx.journal.read() as conn:
+            ours = (await conn.execute(sa.select(q.c.state).where(q.c.id == rerun_id(row.id, attempt)))).scalar()
+        if ours is None:
+            return Result()  # retired by someone else's request (an operator's): it stays retired
+        if failures >= self.settings.max_failures:
+            await self._move(ctx, row, "failed", f"failed: {failures} attempt(s) ended in an error "
+                             f"(rollouts.max_failures = {self.settings.max_failures}); the last: {row['detail']}")
+            return Result()
+        await self._move(ctx, row, "pending", f"attempt {attempt} retired; the rollout runs again from its "
+                         f"input as attempt {attempt + 1}", attempt=attempt + 1, run_call=None, environment=None)
+        return Result()
+
+
+def _said(error: Any) -> str:
+    """A recorded call error in a few words: ``HTTP 409 stale_attempt: detail`` or the transport's words."""
+    if not isinstance(error, Mapping):
+        return "no error recorded"
+    if error.get("type") == "RemoteError":
+        code = f" {error['code']}" if error.get("code") else ""
+        return f"HTTP {error.get('status')}{code}: {str(error.get('detail', ''))[:300]}"
+    return f"{error.get('type', 'error')}: {str(error.get('detail', ''))[:300]}"
+
+
+__all__ = ["KIND", "NOT_STARTED", "RUN_PATH", "Parked", "RolloutController", "RolloutSettings", "open_workflow",
+           "rerun_id", "run_body"]

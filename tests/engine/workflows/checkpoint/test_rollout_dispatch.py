@@ -1,0 +1,262 @@
+"""The rollout machine through the whole orchestrator against the four reference participants as
+real processes, on both journal backends: submitted rollouts are dispatched under the configured
+bounds, recorded and finished with every step completed once; an attempt whose ``/run`` was in
+flight when the orchestrator was SIGKILLed is never sent again: it is retired everywhere and the
+rollout runs again from its input as the next attempt (``<id>-a1`` on the wire); an attempt the
+environment refuses with a typed error is retried up to ``max_failures``, then the rollout fails
+with the reason."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+import yaml
+
+from engine.config import Settings
+from engine.runtime.service import Orchestrator
+from engine.workflows.checkpoint.checkpoint import start_checkpoint
+from engine.workflows.checkpoint.rollout_tasks import check_task, submit_rollouts
+from journal import Journal, audit, models
+from tests.support.reference_procs import KINDS, TOKEN, ParticipantClient, Procs, Stack, start_stack
+from tests.support.workflows import audit_rows, controller, procs, table, until, urls, wait_healthy  # noqa: F401 - fixtures
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[4]
+
+
+def config(journal_url: str, stack: Stack, **rollouts: Any) -> dict[str, Any]:
+    return {
+        "journal": {"url": journal_url},
+        "orchestrator": {"lease_ttl_s": 3, "lease_renew_s": 0.5, "shutdown_grace_s": 1},
+        "control": {"token": TOKEN},
+        "discovery": {"probe_timeout_s": 2, "probe_tries": 2, "interval_s": 60},
+        "dispatcher": {"backoff_base_s": 0.1, "backoff_cap_s": 1},
+        "checkpoint": {"retire_timeout_s": 20},
+        "participants": [{"name": name, "url": url} for name, url in urls(stack).items()],
+        "rollouts": rollouts,
+        "logging": {"level": "WARNING"},
+    }
+
+
+async def submit(orch: Orchestrator, tasks: dict[str, Any]) -> None:
+    checked = [check_task({"rollout_id": rid, "input": task}, i) for i, (rid, task) in enumerate(tasks.items())]
+
+    async def write(tx: Any) -> None:
+        await submit_rollouts(tx, checked)
+    await orch.committer.run(write)
+
+
+async def rollouts(journal: Journal) -> dict[str, dict[str, Any]]:
+    async with journal.read() as conn:
+        return {r.id: dict(r._mapping) for r in (await conn.execute(sa.select(models.rollouts))).all()}
+
+
+async def settled(journal: Journal, ids: list[str], states: tuple[str, ...] = ("finished", "failed"),
+                  timeout: float = 120.0) -> dict[str, dict[str, Any]]:
+    async def done() -> dict[str, dict[str, Any]] | None:
+        rows = await rollouts(journal)
+        return rows if all(rows.get(i, {}).get("state") in states for i in ids) else None
+    try:
+        found: dict[str, dict[str, Any]] = await until(done, timeout)
+    except AssertionError:
+        rows = await rollouts(journal)
+        raise AssertionError(f"rollouts did not settle: {[(k, v['state'], v['attempt']) for k, v in rows.items()]}") from None
+    return found
+
+
+async def run_calls(journal: Journal) -> list[dict[str, Any]]:
+    t = models.rpc_calls
+    async with journal.read() as conn:
+        return [dict(r._mapping) for r in (await conn.execute(sa.select(t).where(t.c.path == "/run"))).all()]
+
+
+def most_in_flight(history: list[dict[str, Any]]) -> tuple[int, Counter[str]]:
+    """The most attempts ``dispatched`` at once, in all and per environment, replaying the events."""
+    where: dict[str, str] = {}
+    peak, peaks = 0, Counter[str]()
+    for ev in sorted(history, key=lambda e: e["seq"]):
+        rid = ev["entity_id"]
+        if ev["to_state"] == "dispatched":
+            where[rid] = (ev["payload"] or {}).get("set", {}).get("environment", where.get(rid, "?"))
+        elif ev["from_state"] == "dispatched":
+            where.pop(rid, None)
+        peak = max(peak, len(where))
+        for env, n in Counter(where.values()).items():
+            peaks[env] = max(peaks[env], n)
+    return peak, peaks
+
+
+async def test_submitted_rollouts_are_dispatched_within_bounds_and_finish_once(
+        journal_url: str, procs: Procs, controller: ParticipantClient, tmp_path: Path) -> None:
+    stack = await start_stack(procs, {k: tmp_path / "state" / k for k in KINDS}, env_delay=0.02)
+    orch = Orchestrator(Settings.model_validate(config(journal_url, stack, max_in_flight=3, per_environment=3,
+                                                       max_failures=2)))
+    await orch.start()
+    try:
+        await wait_healthy(orch, stack)
+        tasks = {f"r{i}": {"prompt": f"p{i}", "turns": 2} for i in range(10)}
+        # The environment refuses this input (an empty prompt) with a typed error, every time.
+        await submit(orch, {**tasks, "bad": {"prompt": "", "turns": 1}})
+        rows = await settled(orch.journal, [*tasks, "bad"])
+        calls = await run_calls(orch.journal)
+        async with orch.journal.read() as conn:
+            history = await audit.query_events(conn, audit.EventFilter(entity_kind="rollouts", limit=audit.MAX_PAGE))
+        assert await audit.verify(orch.journal) == []
+        # docs/audit.md's rollout queries, as written, on this backend.
+        assert await audit_rows(orch.journal, "rollouts-not-done-once") == []
+        attempts = await audit_rows(orch.journal, "rollout-attempts", rollout="bad")
+    finally:
+        await orch.stop()
+    assert [(a["from_state"], a["to_state"]) for a in attempts] == [
+        ("pending", "dispatched"), ("dispatched", "errored"), ("pending", "dispatched"), ("dispatched", "errored"),
+        ("retired", "failed")]
+    assert "HTTP 422 invalid_request" in attempts[1]["reason"]
+    bad = rows.pop("bad")
+    assert {k: (r["state"], r["attempt"], r["environment"], r["failures"]) for k, r in rows.items()} == {
+        k: ("finished", 0, "environment-0", 0) for k in tasks}
+    # Retried once as attempt 1 (after its attempt 0 was retired everywhere), then failed with the reason.
+    assert (bad["state"], bad["attempt"], bad["failures"]) == ("failed", 1, 2), bad
+    assert "attempt 1 on environment-0: HTTP 422 invalid_request" in bad["detail"], bad["detail"]
+    assert [(e["from_state"], e["to_state"]) for e in history if e["entity_id"] == "bad"] == [
+        (None, "pending"), ("pending", "dispatched"), ("dispatched", "errored"), ("errored", "retiring"),
+        ("retiring", "retired"), ("retired", "pending"), ("pending", "dispatched"), ("dispatched", "errored"),
+        ("errored", "retiring"), ("retiring", "retired"), ("retired", "failed")]
+    failed_reason = [e["reason"] for e in history if e["entity_id"] == "bad"][-1]
+    assert failed_reason.startswith("failed: 2 attempt(s) ended in an error (rollouts.max_failures = 2)"), failed_reason
+    calls = [c for c in calls if c["body"]["rollout_id"] not in ("bad", "bad-a1")]
+    for rid, row in rows.items():
+        assert row["result"]["rollout_id"] == rid and row["result"]["attempt"] == 0
+        assert len(row["result"]["actions"]) == 2 and isinstance(row["result"]["reward"], (int, float))
+        assert row["dispatched_at"] <= row["ended_at"]
+    # One /run per rollout, never repeatable, on the data pool, the first attempt named by the bare id.
+    assert sorted(c["body"]["rollout_id"] for c in calls) == sorted(tasks)
+    assert {(c["state"], c["repeatable"], c["pool"], c["attempts"]) for c in calls} == {("succeeded", False, "data", 1)}
+    assert all(c["body"]["task"] == tasks[c["body"]["rollout_id"]] for c in calls)
+    peak, per_env = most_in_flight(history)
+    assert 1 <= peak <= 3 and max(per_env.values()) <= 3, (peak, per_env)
+    # Every step of every rollout completed exactly once on the environment.
+    executions = (await controller.status(stack.url("environment")))["executions"]
+    assert executions == {rid: {s: 1 for s in ("turn-1:act", "turn-1:check", "turn-2:act", "turn-2:check", "verify")}
+                          for rid in tasks}
+
+
+def serve(cfg: dict[str, Any], tmp: Path) -> subprocess.Popen[bytes]:
+    path = tmp / "tidelog.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    log = open(tmp / "serve.log", "wb")  # noqa: SIM115 - the process owns it
+    env = {k: v for k, v in os.environ.items() if k not in ("TIDELOG_CONFIG", "TIDELOG_CONTROL_TOKEN")}
+    return subprocess.Popen([sys.executable, "-m", "engine.cli", "--config", str(path), "serve"], cwd=ROOT,
+                            env=env, stdout=log, stderr=log)
+
+
+async def test_a_run_in_flight_when_the_orchestrator_dies_is_retired_and_run_again_as_the_next_attempt(
+        journal_url: str, procs: Procs, controller: ParticipantClient, tmp_path: Path) -> None:
+    stack = await start_stack(procs, {k: tmp_path / "state" / k for k in KINDS}, env_delay=0.4)
+    cfg = config(journal_url, stack, max_in_flight=8)
+    cfg["api"] = {"port": 0}
+    tasks = {f"k{i}": {"prompt": f"p{i}", "turns": 3} for i in range(3)}
+    journal = Journal.open(journal_url)
+    first = serve(cfg, tmp_path)
+    try:
+        orch_rows: dict[str, Any] = {}
+
+        async def leading() -> bool:
+            async with journal.read() as conn:
+                return (await conn.execute(sa.select(models.leases.c.epoch))).scalar() is not None
+        await until(leading, 60)
+        # Submitted beside the running leader, through the journal it reads (as the API would write).
+        async with journal.write() as tx:
+            await submit_rollouts(tx, [check_task({"rollout_id": k, "input": v}) for k, v in tasks.items()])
+
+        async def in_flight() -> bool:
+            calls = await run_calls(journal)
+            return len(calls) == 3 and all(c["state"] == "inflight" for c in calls)
+        await until(in_flight, 60)
+        # Mid-episode on the environment: one act step completed, the episodes are still running.
+        await asyncio.sleep(0.6)
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+        orch_rows = await rollouts(journal)
+        assert {k: (r["state"], r["attempt"]) for k, r in orch_rows.items()} == {k: ("dispatched", 0) for k in tasks}
+    finally:
+        if first.poll() is None:
+            first.kill()
+        await journal.dispose()
+    orch = Orchestrator(Settings.model_validate(config(journal_url, stack, max_in_flight=8)))
+    await orch.start()
+    try:
+        rows = await settled(orch.journal, list(tasks))
+        calls = await run_calls(orch.journal)
+        retirements = await table(orch, models.retirements)
+        async with orch.journal.read() as conn:
+            history = {k: [(e["from_state"], e["to_state"]) for e in await audit.query_events(
+                conn, audit.EventFilter(entity_kind="rollouts", entity_id=k))] for k in tasks}
+        assert await audit.verify(orch.journal) == []
+    finally:
+        await orch.stop()
+    assert {k: (r["state"], r["attempt"]) for k, r in rows.items()} == {k: ("finished", 1) for k in tasks}
+    assert all(h == [(None, "pending"), ("pending", "dispatched"), ("dispatched", "ambiguous"),
+                     ("ambiguous", "retiring"), ("retiring", "retired"), ("retired", "pending"),
+                     ("pending", "dispatched"), ("dispatched", "finished")] for h in history.values()), history
+    # Attempt 0's /run was never sent again: it stays ambiguous; attempt 1 went as "<id>-a1".
+    by_attempt = Counter((c["body"]["rollout_id"], c["state"]) for c in calls)
+    assert by_attempt == Counter({**{(k, "ambiguous"): 1 for k in tasks}, **{(f"{k}-a1", "succeeded"): 1 for k in tasks}})
+    assert all(r["result"]["rollout_id"] == k and r["result"]["attempt"] == 1 for k, r in rows.items())
+    assert sorted(r["state"] for r in retirements.values()) == ["done"] * 3
+    # The rerun ran from its input: every step of attempt 1 completed once, under its own key.
+    executions = (await controller.status(stack.url("environment")))["executions"]
+    steps = {f"turn-{t}:{s}" for t in (1, 2, 3) for s in ("act", "check")} | {"verify"}
+    for k in tasks:
+        assert executions[f"{k}-a1"] == {s: 1 for s in steps}, executions
+    # The participants refuse the retired attempt until the rollout is forgotten.
+    status = await controller.status(stack.url("environment"))
+    assert status["retired_rollouts"] == 3
+
+
+async def test_no_attempt_is_dispatched_while_a_checkpoint_is_open(
+        journal_url: str, procs: Procs, controller: ParticipantClient, tmp_path: Path) -> None:
+    """A checkpoint held open (its agent SIGSTOPped, so the agent's prepare hangs to its deadline)
+    pauses dispatch from its creation to its end; the rollouts submitted meanwhile wait, and go
+    once it has aborted and everyone resumed."""
+    stack = await start_stack(procs, {k: tmp_path / "state" / k for k in KINDS})
+    cfg = config(journal_url, stack)
+    cfg["checkpoint"] = {**cfg["checkpoint"], "prepare_timeout_s": 3, "resume_timeout_s": 5, "max_tries": 1}
+    orch = Orchestrator(Settings.model_validate(cfg))
+    await orch.start()
+    agent = stack.procs["agent"].proc
+    assert agent is not None
+    try:
+        participants = await wait_healthy(orch, stack)
+        agent.send_signal(signal.SIGSTOP)
+
+        async def start(tx: Any) -> None:
+            await start_checkpoint(tx, "ck-held", str(tmp_path / "ckpts"), participants, max_tries=1)
+        await orch.committer.run(start)
+        tasks = {f"w{i}": {"prompt": f"p{i}", "turns": 1} for i in range(4)}
+        await submit(orch, tasks)
+
+        async def agent_waited() -> bool:
+            members = await table(orch, models.checkpoint_members)
+            return members.get("ck-held/agent-0", {}).get("state") == "preparing"
+        await until(agent_waited, 60)
+        assert {r["state"] for r in (await rollouts(orch.journal)).values()} == {"pending"}
+        agent.send_signal(signal.SIGCONT)
+        rows = await settled(orch.journal, list(tasks))
+        async with orch.journal.read() as conn:
+            trail = await audit.query_events(conn, audit.EventFilter(limit=audit.MAX_PAGE))
+    finally:
+        agent.send_signal(signal.SIGCONT)
+        await orch.stop()
+    assert {r["state"] for r in rows.values()} == {"finished"}
+    ended = [e["seq"] for e in trail if e["entity_kind"] == "checkpoints" and e["to_state"] in ("done", "aborted", "failed")]
+    dispatched = [e["seq"] for e in trail if e["entity_kind"] == "rollouts" and e["to_state"] == "dispatched"]
+    assert len(ended) == 1 and len(dispatched) == 4 and min(dispatched) > ended[0], (ended, dispatched)
