@@ -171,6 +171,7 @@ LONGEST_FIRST = (
 )
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     order = [nodeid for group in DRILL_GROUPS.values() for nodeid in group] + list(LONGEST_FIRST)
     rank = {nodeid: i for i, nodeid in enumerate(order)}

@@ -100,6 +100,8 @@ def test_status_table(journal_url: str, tmp_path: Path) -> None:
     ("participants:\n  - {name: a, url: 'http://user:pw@x:1'}\n", "must not carry credentials"),
     ("journal: {url: [unclosed\n", "not valid YAML"),
     ("- just\n- a list\n", "top level must be a mapping"),
+    ("rollouts:\n  max_in_flight: 300\n", "rollouts.max_in_flight (300) exceeds rpc.data_pool (256)"),
+    ("rollouts:\n  per_environment: 0\n", "rollouts.per_environment"),
 ])
 def test_bad_config_is_named_and_changes_nothing(tmp_path: Path, text: str, needle: str) -> None:
     cfg = tmp_path / "bad.yaml"

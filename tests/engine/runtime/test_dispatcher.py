@@ -19,7 +19,7 @@ from journal import Journal, audit, lease, models, outbox
 
 
 class Scripted:
-    """``POST /<name>`` answers per a script of statuses; ``/slow`` never answers in time."""
+    """``POST /<name>`` answers per a script of statuses; ``/slow`` (and ``/slow-…``) never answers in time."""
 
     def __init__(self) -> None:
         self.scripts: dict[str, list[int]] = {}
@@ -31,7 +31,7 @@ class Scripted:
         name = request.match_info["name"]
         self.calls[name] = self.calls.get(name, 0) + 1
         self.headers.append(dict(request.headers))
-        if name == "slow":
+        if name.startswith("slow"):
             await asyncio.sleep(5)
         script = self.scripts.get(name, [200])
         status = script.pop(0) if len(script) > 1 else script[0]
@@ -288,3 +288,40 @@ async def wait_state(journal: Journal, call_id: str) -> str:
         row = await outbox.get(tx, call_id)
     assert row is not None
     return row.state
+
+
+async def test_data_calls_hold_their_own_slots_and_never_block_control_calls(journal: Journal, remote: Scripted) -> None:
+    """Two data slots, two control slots: four long data calls (``/slow`` holds each 5 s) take the
+    data slots only; the control calls queued behind them are sent and settled meanwhile, and the
+    data calls beyond the bound wait in the outbox."""
+    rpc = RpcClient(token=None, transport_tries=1)
+    held = await lease.acquire(journal, "orchestrator", "test", 60)
+    assert held is not None
+    committer = GroupCommitter(journal, held.fence)
+    d = Dispatcher(journal, committer, rpc, SystemClock(), held.fence, lambda k, i: None, concurrency=2,
+                   data_concurrency=2, poll_s=0.05, backoff_base_s=0.01, backoff_cap_s=0.02)
+    journal.add_commit_listener(d.on_commit)
+    data = [await queue(journal, remote.url, f"/slow-{n}", pool="data", timeout_s=30, repeatable=False)
+            for n in range(4)]
+    task = asyncio.create_task(d.run())
+    try:
+        async def states() -> dict[str, str]:
+            async with journal.read() as conn:
+                rows = (await conn.execute(sa.select(models.rpc_calls.c.id, models.rpc_calls.c.state))).all()
+            return {r.id: r.state for r in rows}
+
+        for _ in range(200):
+            seen = await states()
+            if sum(1 for i in data if seen[i] == "inflight") == 2:
+                break
+            await asyncio.sleep(0.02)
+        control = [await queue(journal, remote.url, f"/ok-{n}") for n in range(2)]
+        settled = await wait_settled(journal, control)
+        now = await states()
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await committer.close()
+        await rpc.close()
+    assert {settled[i].state for i in control} == {"succeeded"}
+    assert sorted(now[i] for i in data) == ["inflight", "inflight", "pending", "pending"], now

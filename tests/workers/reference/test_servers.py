@@ -55,6 +55,26 @@ async def test_retired_attempt_is_refused_after_sigkill_until_forget(
     assert (await c.status(proc.url))["retired_rollouts"] == 0
 
 
+async def test_the_environment_reads_the_attempt_from_an_attempt_qualified_id(
+        procs: Procs, controller: ParticipantClient, tmp_path: Path) -> None:
+    """``"r-a2"`` runs as attempt 2 of ``r`` (the seeded sessions and step counts are keyed ``r-a2``);
+    a body naming an attempt both ways is refused, and so is an id whose rest is reserved again."""
+    from tests.support.reference_procs import start_stack
+    stack = await start_stack(procs, {k: tmp_path / k for k in ("environment", "model", "agent", "resources")})
+    env = stack.url("environment")
+    task = {"prompt": "hi", "turns": 1}
+    status, reply = await controller.post(env, "/run", {"rollout_id": "r-a2", "task": task})
+    assert status == 200 and (reply["rollout_id"], reply["attempt"]) == ("r", 2), reply
+    executions = (await controller.status(env))["executions"]
+    assert set(executions) == {"r-a2"}, executions
+    status, reply = await controller.post(env, "/run", {"rollout_id": "q-a1", "attempt": 1, "task": task})
+    assert (status, reply["error"]["code"]) == (422, "invalid_request"), reply
+    assert "names an attempt by its suffix and attempt=1 names one too" in reply["error"]["detail"], reply
+    status, reply = await controller.post(env, "/run", {"rollout_id": "q-a1-a2", "task": task})
+    assert (status, reply["error"]["code"]) == (422, "invalid_request"), reply
+    assert "q" not in "".join((await controller.status(env))["executions"]), "nothing ran for a refused body"
+
+
 @pytest.mark.parametrize(("kind", "args", "path"), [
     ("agent", ("--model", UNREACHABLE, "--restart-only"), "/ng-rollout/r1/v1/agent_sessions"),
     ("resources", ("--mode", "restart_only"), "/ng-rollout/r1/seed_session"),
