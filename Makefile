@@ -34,7 +34,7 @@ serve: $(VENV)/.installed-run
 
 test: $(VENV)/.installed-test
 	$(PY) -m mypy
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 bench: $(VENV)/.installed-test
 	$(PY) -m pip install --quiet -e '.[test,bench]'

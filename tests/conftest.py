@@ -133,11 +133,11 @@ def journal(make_journal: Callable[..., Journal]) -> Journal:
     return make_journal()
 
 
-#: The drills that take minutes each, in two groups of about the same length (``make test`` runs
-#: ``--dist loadgroup``): each group runs on one worker, in this order, so at most two drills run at
-#: once — each drill runs its crash points two at a time and needs the cores — while the other
-#: workers take the short tests, which mostly wait (on leases, deadlines, slow clients). Serial
-#: order is unaffected but for this.
+#: The drills that take minutes each, in two groups of about the same length: under xdist each group
+#: is one unit of work for one worker (:class:`DrillScheduling`), run in this order, so at most two
+#: drills run at once — each drill runs its crash points two at a time and needs the cores — while
+#: the other workers take the short tests, which mostly wait (on leases, deadlines, slow clients).
+#: Serial order is unaffected but for this.
 DRILL_GROUPS: dict[str, tuple[str, ...]] = {
     "drills-a": (
         "tests/engine/workflows/training/test_crash_points.py::test_every_orchestrator_crash_point_recovers[sqlite]",
@@ -171,12 +171,26 @@ LONGEST_FIRST = (
 )
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     order = [nodeid for group in DRILL_GROUPS.values() for nodeid in group] + list(LONGEST_FIRST)
     rank = {nodeid: i for i, nodeid in enumerate(order)}
-    group_of = {nodeid: name for name, group in DRILL_GROUPS.items() for nodeid in group}
-    for item in items:
-        if item.nodeid in group_of:
-            item.add_marker(pytest.mark.xdist_group(group_of[item.nodeid]))
     items.sort(key=lambda item: rank.get(item.nodeid, len(rank)))  # stable: the rest keep their order
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under ``-n`` with the default ``--dist load``: :class:`DrillScheduling`. (xdist's own
+    ``loadgroup`` does not group under this pytest: it renames items through an attribute pytest 9
+    no longer reads.)"""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    group_of = {nodeid: name for name, group in DRILL_GROUPS.items() for nodeid in group}
+
+    class DrillScheduling(LoadScopeScheduling):
+        """Each drill group one unit of work (one worker, in order); every other test a unit of its own."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of.get(nodeid, nodeid)
+
+    return DrillScheduling(config, log)
