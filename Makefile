@@ -3,9 +3,8 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 CONFIG ?= config.example.yaml
-# Test workers: the long crash-point drills run in two groups, one worker each (tests/conftest.py),
-# so no more than two compete for the cores; the other workers take the short tests, which mostly wait.
-PYTEST_WORKERS ?= 4
+# Test workers: one per core (the crash-point suites time their episodes; more workers starve them).
+PYTEST_WORKERS ?= 2
 
 .PHONY: run serve test typecheck bench clean
 
@@ -34,7 +33,7 @@ serve: $(VENV)/.installed-run
 
 test: $(VENV)/.installed-test
 	$(PY) -m mypy
-	$(PY) -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --maxschedchunk 2 $(PYTEST_ARGS)
 
 bench: $(VENV)/.installed-test
 	$(PY) -m pip install --quiet -e '.[test,bench]'

@@ -199,6 +199,10 @@ class RolloutsSettings(_Strict):
     max_failures: int = Field(default=3, ge=1, le=100)
     #: The longest one attempt's /run may take (its whole episode).
     run_timeout_s: float = Field(default=3600.0, gt=0, le=7 * 86_400)
+    #: Most rollouts one forget request names (done rollouts are forgotten everywhere in batches).
+    forget_batch: int = Field(default=1000, ge=1, le=10_000)
+    #: The wait before the next forget batch after one failed.
+    forget_retry_s: float = Field(default=5.0, gt=0, le=3600)
 
 
 class TrainerSettingsModel(_Strict):

@@ -166,16 +166,19 @@ ROLLOUTS = StateMachine.build(
     # initial state: a row written by a controller that sends /run itself (tests, older callers).
     initial=["pending", "dispatched"],
     edges={
-        "pending": ["dispatched"],
+        # Self-edge on pending: a restore continues the rollout as a later attempt before it was sent.
+        "pending": ["pending", "dispatched"],
         # Self-edge on dispatched: a restore continues the attempt as the next one. -> pending: the
         # environment refused to start the attempt (a checkpoint was open, or the call never left).
         "dispatched": ["dispatched", "pending", "finished", "restart", "retiring", "ambiguous", "errored"],
         # ambiguous: the /run's outcome is unknown (in flight when the orchestrator died); errored:
         # the attempt ended with a typed error. Both are retired everywhere before the next attempt.
-        "ambiguous": ["retiring"],
-        "errored": ["retiring"],
+        # -> pending (from ambiguous, errored, retiring): a restore continues the rollout from its
+        # checkpointed boundary as the next attempt, so this attempt is not retired and rerun.
+        "ambiguous": ["retiring", "pending"],
+        "errored": ["retiring", "pending"],
         "restart": ["finished", "retiring"],
-        "retiring": ["retired"],
+        "retiring": ["retired", "pending"],
         # -> pending: run again as the next attempt; -> failed: the retry limit was reached.
         "retired": ["dispatched", "pending", "failed", "forgotten"],
         "finished": ["forgotten"],

@@ -192,6 +192,9 @@ rollouts = sa.Table(
     sa.Column("failures", sa.Integer, nullable=False, default=0, server_default="0"),
     # The outbox intent (rpc_calls.id) of the current attempt's /run.
     sa.Column("run_call", sa.String(64), nullable=True),
+    # The environment server holding the current attempt's restored boundary (a restore continued
+    # it there): the attempt is sent nowhere else. Null for an attempt that starts from its input.
+    sa.Column("restored_on", sa.String(255), nullable=True),
     sa.Column("dispatched_at", UTCDateTime(), nullable=True),
     sa.Column("ended_at", UTCDateTime(), nullable=True),
     sa.Index("ix_rollouts_live", "state",

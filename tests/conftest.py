@@ -133,64 +133,23 @@ def journal(make_journal: Callable[..., Journal]) -> Journal:
     return make_journal()
 
 
-#: The drills that take minutes each, in two groups of about the same length: under xdist each group
-#: is one unit of work for one worker (:class:`DrillScheduling`), run in this order, so at most two
-#: drills run at once — each drill runs its crash points two at a time and needs the cores — while
-#: the other workers take the short tests, which mostly wait (on leases, deadlines, slow clients).
-#: Serial order is unaffected but for this.
-DRILL_GROUPS: dict[str, tuple[str, ...]] = {
-    "drills-a": (
-        "tests/engine/workflows/training/test_crash_points.py::test_every_orchestrator_crash_point_recovers[sqlite]",
-        "tests/engine/workflows/checkpoint/test_checkpoint_crash_points.py::"
-        "test_every_checkpoint_crash_point_recovers[postgresql]",
-        "tests/engine/workflows/training/test_crash_points.py::"
-        "test_a_trainer_killed_at_each_point_is_replaced_and_nothing_trains_twice[sqlite]",
-    ),
-    "drills-b": (
-        "tests/engine/workflows/training/test_crash_points.py::test_every_orchestrator_crash_point_recovers[postgresql]",
-        "tests/engine/workflows/checkpoint/test_checkpoint_crash_points.py::"
-        "test_every_checkpoint_crash_point_recovers[sqlite]",
-        "tests/engine/workflows/checkpoint/test_checkpoint_crash_points.py::"
-        "test_every_retire_and_forget_crash_point_recovers[postgresql]",
-        "tests/engine/workflows/training/test_crash_points.py::"
-        "test_an_engine_killed_at_each_publication_phase_is_brought_to_the_head[sqlite]",
-    ),
-}
-#: The next longest, first among the rest, so none of them is left alone at the end.
+#: The drills that take minutes each, longest first, in an order that splits them between two
+#: workers (pytest-xdist hands each worker two tests at a time, `--maxschedchunk 2` in the
+#: Makefile): they start at once, and the short tests fill in beside them instead of leaving one
+#: worker alone with a ten-minute drill at the end. Serial order is unaffected but for this.
 LONGEST_FIRST = (
-    "tests/engine/workflows/checkpoint/test_checkpoint_crash_points.py::"
-    "test_every_retire_and_forget_crash_point_recovers[sqlite]",
+    "tests/engine/workflows/training/test_crash_points.py::test_every_orchestrator_crash_point_recovers[sqlite]",
+    "tests/engine/workflows/checkpoint/test_checkpoint_crash_points.py::test_every_checkpoint_crash_point_recovers[sqlite]",
+    "tests/engine/workflows/training/test_crash_points.py::test_every_orchestrator_crash_point_recovers[postgresql]",
+    "tests/engine/demos/test_demo_training.py::test_the_rl_demo_learns_through_crashes_applying_every_step_once[postgresql]",
+    "tests/engine/workflows/training/test_crash_points.py::"
+    "test_a_trainer_killed_at_each_point_is_replaced_and_nothing_trains_twice[sqlite]",
+    "tests/engine/demos/test_demo_training.py::test_the_rl_demo_learns_through_crashes_applying_every_step_once[sqlite]",
     "tests/engine/runtime/test_crash_recovery.py::test_every_crash_point_recovers[postgresql]",
     "tests/engine/runtime/test_crash_recovery.py::test_every_crash_point_recovers[sqlite]",
-    "tests/engine/demos/test_demo_training.py::test_the_rl_demo_learns_through_crashes_applying_every_step_once[sqlite]",
-    "tests/engine/demos/test_demo_training.py::"
-    "test_the_rl_demo_learns_through_crashes_applying_every_step_once[postgresql]",
-    "tests/engine/workflows/checkpoint/test_checkpoint_crash_points.py::test_every_restore_crash_point_recovers[sqlite]",
-    "tests/engine/workflows/checkpoint/test_checkpoint_crash_points.py::"
-    "test_every_restore_crash_point_recovers[postgresql]",
 )
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    order = [nodeid for group in DRILL_GROUPS.values() for nodeid in group] + list(LONGEST_FIRST)
-    rank = {nodeid: i for i, nodeid in enumerate(order)}
+    rank = {nodeid: i for i, nodeid in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid, len(rank)))  # stable: the rest keep their order
-
-
-def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """Under ``-n`` with the default ``--dist load``: :class:`DrillScheduling`. (xdist's own
-    ``loadgroup`` does not group under this pytest: it renames items through an attribute pytest 9
-    no longer reads.)"""
-    if config.getvalue("dist") != "load":
-        return None
-    from xdist.scheduler import LoadScopeScheduling
-
-    group_of = {nodeid: name for name, group in DRILL_GROUPS.items() for nodeid in group}
-
-    class DrillScheduling(LoadScopeScheduling):
-        """Each drill group one unit of work (one worker, in order); every other test a unit of its own."""
-
-        def _split_scope(self, nodeid: str) -> str:
-            return group_of.get(nodeid, nodeid)
-
-    return DrillScheduling(config, log)

@@ -3,8 +3,9 @@
 New columns of ``rollouts``: ``labels`` (the submitter's, free-form), ``environment`` (the
 environment server the current attempt was sent to), ``weight_version`` (the committed weight
 version when it was sent; null without training), ``failures`` (attempts that ended with a typed
-error), ``run_call`` (the outbox intent of the current attempt's ``/run``), ``dispatched_at`` and
-``ended_at``. The live index covers the new states (``pending``, ``ambiguous``, ``errored``); two
+error), ``run_call`` (the outbox intent of the current attempt's ``/run``), ``restored_on`` (the
+environment server holding the restored boundary of the current attempt, where it must be sent),
+``dispatched_at`` and ``ended_at``. The live index covers the new states (``pending``, ``ambiguous``, ``errored``); two
 partial indexes serve the dispatcher (``pending`` rows, oldest first) and forgetting (``finished`` and
 ``failed`` rows).
 
@@ -39,6 +40,7 @@ def upgrade() -> None:
         batch.add_column(sa.Column("weight_version", sa.String(255), nullable=True))
         batch.add_column(sa.Column("failures", sa.Integer(), nullable=False, server_default="0"))
         batch.add_column(sa.Column("run_call", sa.String(64), nullable=True))
+        batch.add_column(sa.Column("restored_on", sa.String(255), nullable=True))
         batch.add_column(sa.Column("dispatched_at", journal.types.UTCDateTime(), nullable=True))
         batch.add_column(sa.Column("ended_at", journal.types.UTCDateTime(), nullable=True))
     op.drop_index("ix_rollouts_live", "rollouts")
@@ -53,5 +55,5 @@ def downgrade() -> None:
     op.drop_index("ix_rollouts_live", "rollouts")
     _partial("ix_rollouts_live", ["state"], OLD_LIVE)
     with op.batch_alter_table("rollouts") as batch:
-        for name in ("ended_at", "dispatched_at", "run_call", "failures", "weight_version", "environment", "labels"):
+        for name in ("ended_at", "dispatched_at", "restored_on", "run_call", "failures", "weight_version", "environment", "labels"):
             batch.drop_column(name)

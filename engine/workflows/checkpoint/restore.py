@@ -18,6 +18,9 @@
   ``rollouts`` row of a scoped rollout to its next attempt (``dispatched ->
   dispatched`` or ``retired -> dispatched`` with ``attempt`` N + 1). A failed
   resume is noted in ``detail``; the participant's lease resumes it.
+  The rows move to ``pending`` (from any of :data:`CONTINUED`) with ``restored_on`` the
+  environment whose restore reply named the episode, and the rollout controller sends attempt
+  N + 1 there, where it continues from its boundary (docs/rollouts.md).
 - ``rolling_back`` → ``failed``: the replacement attempts (N + 1 of every
   scoped episode) are retired on every member in retire order (environment;
   agent; model and resources), then every member is resumed, under a deadline
@@ -55,6 +58,9 @@ log = logging.getLogger("tidelog.restore")
 
 KIND = "restores"
 ROLLOUTS = "rollouts"
+#: Rollout states a restore continues from (every state in which the checkpointed attempt is not
+#: over for good): the row becomes ``pending`` as the next attempt.
+CONTINUED = ("pending", "dispatched", "ambiguous", "errored", "retiring", "retired")
 RESTORE_PATH = f"{CONTROL_PREFIX}/restore"
 #: Resume order: the prepare order backwards.
 RESUME_ORDER: tuple[str, ...] = ("resources", "agent", "model", "environment")
@@ -272,11 +278,34 @@ class RestoreController(BaseController):
             ctx, row), detail=note)
         return Result()
 
+    async def _restored_on(self, ctx: Context, row: Row) -> dict[str, str]:
+        """Rollout id -> the environment server whose restore reply named it (its boundary is there)."""
+        t = models.rpc_calls
+        async with ctx.journal.read() as conn:
+            calls = (await conn.execute(sa.select(t.c.target, t.c.result).where(
+                t.c.entity_kind == KIND, t.c.entity_id == row.id, t.c.path == RESTORE_PATH,
+                t.c.state == "succeeded"))).all()
+        environments = {p["url"]: p.id for p in await participant_rows(ctx) if p["kind"] == "environment"}
+        out: dict[str, str] = {}
+        for call in calls:
+            name = environments.get(call.target)
+            restored = (call.result or {}).get("restored") if isinstance(call.result, dict) else None
+            if name is None or not isinstance(restored, list):
+                continue
+            for key in restored:
+                try:
+                    out[EpisodeId.from_capture_key(str(key)).rollout_id] = name
+                except ValueError:
+                    log.warning("restore %s: %s answered an invalid capture key %r", row.id, name, key)
+        return out
+
     async def _next_attempts(self, ctx: Context, row: Row) -> list[Transition]:
-        """Each existing rollout row of a scoped rollout moved to the attempt the restore continues."""
+        """Each rollout row of a scoped rollout moved to ``pending`` as the attempt the restore
+        continues, sent (by the rollout controller) to the environment that restored it."""
         wanted = {e["rollout_id"]: e["attempt"] for e in _episodes(row, next_attempt=True)}
         if not wanted:
             return []
+        pinned = await self._restored_on(ctx, row)
         t = models.rollouts
         async with ctx.journal.read() as conn:
             found = (await conn.execute(sa.select(t).where(t.c.id.in_(sorted(wanted))))).all()
@@ -285,12 +314,14 @@ class RestoreController(BaseController):
             attempt = wanted[r.id]
             if r["attempt"] >= attempt:
                 continue  # already there
-            if r.state not in ("dispatched", "retired"):
+            if r.state not in CONTINUED:
                 log.warning("rollout %s is %s; restore %s leaves it as it is", r.id, r.state, row.id)
                 continue
-            ops.append(Transition(ROLLOUTS, r.id, r.state, r.version, "dispatched",
-                                  f"restored from {row['checkpoint_id']} as attempt {attempt} ({row.id})",
-                                  {"attempt": attempt}))
+            ops.append(Transition(ROLLOUTS, r.id, r.state, r.version, "pending",
+                                  f"restored from {row['checkpoint_id']} as attempt {attempt} on "
+                                  f"{pinned.get(r.id, 'any environment')} ({row.id})",
+                                  {"attempt": attempt, "checkpoint_id": row["checkpoint_id"], "run_call": None,
+                                   "restored_on": pinned.get(r.id), "environment": None}))
         return ops
 
 

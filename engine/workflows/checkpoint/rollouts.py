@@ -28,8 +28,11 @@ States (``journal.machines.ROLLOUTS``) and what :class:`RolloutController` does 
   from its input. A rollout retired by another request (an operator's ``POST
   /v1/rollouts/{id}/retire``) stays ``retired``: what comes next is the operator's (``forget``).
 
-The row's ``detail`` says why its last attempt ended. ``finished`` and ``failed`` rows are done for
-good (forgetting them everywhere is :mod:`engine.workflows.checkpoint.retirement`'s ``forget``).
+- ``finished`` and ``failed``: done for good, so forgotten everywhere, in batches
+  (:mod:`engine.workflows.checkpoint.forgetting`): the forget's end moves them to ``forgotten``.
+  A done row that finds a batch open waits in memory for its end.
+
+The row's ``detail`` says why its last attempt ended.
 """
 
 from __future__ import annotations
@@ -43,11 +46,12 @@ from typing import Any
 import sqlalchemy as sa
 
 from journal import Committed, WriteTx, models, outbox
-from journal.machines import CHECKPOINTS, RESTORES
+from journal.machines import CHECKPOINTS, RESTORES, RETIREMENTS
 from journal.writes import Row
 from workers.protocol import EpisodeId, ErrorCode
 
 from engine.runtime.reconciler import BaseController, Context, Result
+from engine.workflows.checkpoint.forgetting import DONE, PREFIX as FORGET_PREFIX, ForgetWaits, request_forget_batch
 from engine.workflows.checkpoint.retirement import request_retirement
 
 log = logging.getLogger("tidelog.rollouts")
@@ -68,6 +72,9 @@ class RolloutSettings:
     per_environment: int = 32
     max_failures: int = 3
     run_timeout_s: float = 3600.0
+    #: Most rollouts one forget request names, and the wait after a failed one.
+    forget_batch: int = 1000
+    forget_retry_s: float = 5.0
 
 
 class Parked(Exception):
@@ -117,6 +124,8 @@ class RolloutController(BaseController):
         self.settings = settings or RolloutSettings()
         # Pending rows refused a slot, oldest first: a wake-up list only (resync covers them too).
         self._parked: dict[str, None] = {}
+        # Done rows waiting for the next forget batch (the same: resync covers them too).
+        self._done: dict[str, None] = {}
         self._cooling: dict[str, float] = {}
         self._enqueue: Callable[[str, str], None] | None = None
 
@@ -136,13 +145,16 @@ class RolloutController(BaseController):
                 reopened = True
             elif c.kind == "participants" and c.to_state == "healthy" and c.from_state != "healthy":
                 reopened = True
-        self._wake(self.settings.max_in_flight if reopened else freed)
+            elif (c.kind == "retirements" and c.entity_id.startswith(FORGET_PREFIX)
+                  and c.to_state in RETIREMENTS.terminal):
+                self._wake(1, self._done)  # the next batch takes every done row, up to forget_batch
+        self._wake(self.settings.max_in_flight if reopened else freed, self._parked)
 
-    def _wake(self, n: int) -> None:
-        if n <= 0 or not self._parked or self._enqueue is None:
+    def _wake(self, n: int, parked: dict[str, None]) -> None:
+        if n <= 0 or not parked or self._enqueue is None:
             return
-        for entity_id in list(self._parked)[:n]:
-            del self._parked[entity_id]
+        for entity_id in list(parked)[:n]:
+            del parked[entity_id]
             self._enqueue(KIND, entity_id)
 
     # -- reconcile ----------------------------------------------------------------------------------
@@ -159,21 +171,25 @@ class RolloutController(BaseController):
             return await self._retire(ctx, row)
         if row.state == "retired":
             return await self._next(ctx, row)
+        if row.state in DONE:
+            return await self._forget(ctx, row)
         return Result()
 
     # -- pending: admission and dispatch ------------------------------------------------------------
 
-    async def _slot(self, conn: Any, now: float) -> Slot:
-        """The environment to send the next attempt to, or :class:`Parked` saying why there is none."""
+    async def _slot(self, conn: Any, now: float, pinned: str | None = None) -> Slot:
+        """The environment to send the next attempt to (``pinned``: that one only), or :class:`Parked`
+        saying why there is none."""
         blocker = await open_workflow(conn)
         if blocker is not None:
             raise Parked(blocker)
         p, t = models.participants, models.rollouts
         envs = (await conn.execute(sa.select(p.c.id, p.c.url).where(
             p.c.state == "healthy", p.c.kind == "environment").order_by(p.c.id))).all()
-        envs = [e for e in envs if self._cooling.get(e.id, 0.0) <= now]
+        envs = [e for e in envs if self._cooling.get(e.id, 0.0) <= now and (pinned is None or e.id == pinned)]
         if not envs:
-            raise Parked("no healthy environment server")
+            raise Parked("no healthy environment server" if pinned is None else
+                         f"environment {pinned}, which holds the restored attempt, is not healthy")
         busy = dict((await conn.execute(sa.select(t.c.environment, sa.func.count()).where(
             t.c.state == "dispatched").group_by(t.c.environment))).all())
         if sum(busy.values()) >= self.settings.max_in_flight:
@@ -193,13 +209,13 @@ class RolloutController(BaseController):
         now = ctx.clock.time()
         try:
             async with ctx.journal.read() as conn:
-                await self._slot(conn, now)  # a cheap look first: most parked rows stop here
+                await self._slot(conn, now, row["restored_on"])  # a cheap look first: most parked rows stop here
         except Parked as exc:
             return self._park(row, str(exc))
         attempt = int(row["attempt"])
 
         async def write(tx: WriteTx) -> None:
-            slot = await self._slot(tx, now)
+            slot = await self._slot(tx, now, row["restored_on"])
             intent = outbox.Intent(KIND, row.id, row.state, row.version, slot.url, "POST", RUN_PATH,
                                    body=run_body(row.id, attempt, row["task"]),
                                    timeout_s=self.settings.run_timeout_s, repeatable=False, pool="data",
@@ -271,6 +287,23 @@ class RolloutController(BaseController):
         await ctx.write(write)
         return Result()
 
+    # -- finished, failed: forgotten everywhere, in batches ------------------------------------------
+
+    async def _forget(self, ctx: Context, row: Row) -> Result:
+        async def write(tx: WriteTx) -> list[str]:
+            return await request_forget_batch(tx, limit=self.settings.forget_batch,
+                                              retry_s=self.settings.forget_retry_s)
+        try:
+            named = await ctx.write(write)
+        except ForgetWaits as exc:
+            if exc.after is not None:
+                return Result(requeue_after=exc.after)
+            self._done[row.id] = None
+            return Result()
+        if row.id not in named:
+            self._done[row.id] = None
+        return Result()
+
     # -- retired: the next attempt, or the end --------------------------------------------------------
 
     async def _next(self, ctx: Context, row: Row) -> Result:
@@ -285,7 +318,8 @@ class RolloutController(BaseController):
                              f"(rollouts.max_failures = {self.settings.max_failures}); the last: {row['detail']}")
             return Result()
         await self._move(ctx, row, "pending", f"attempt {attempt} retired; the rollout runs again from its "
-                         f"input as attempt {attempt + 1}", attempt=attempt + 1, run_call=None, environment=None)
+                         f"input as attempt {attempt + 1}", attempt=attempt + 1, run_call=None, environment=None,
+                         restored_on=None)
         return Result()
 
 

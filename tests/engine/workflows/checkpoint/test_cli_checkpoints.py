@@ -131,8 +131,9 @@ async def test_bad_input_and_an_unreachable_api_exit_2(journal_url: str, tmp_pat
                 # The address from the config (a wildcard bind is reached on loopback).
                 (("--config", str(cfg), "checkpoint", "--show", "nope"), {}, "HTTP 404 not_found"),
             ]
-            for args, kw, needle in cases:
-                rc, out, err = await tidelog(*args, **kw)
+            # Side by side: none of them changes anything.
+            results = await asyncio.gather(*(tidelog(*args, **kw) for args, kw, _ in cases))
+            for (args, _, needle), (rc, out, err) in zip(cases, results):
                 assert rc == 2 and needle in err, (args, rc, out, err)
             rc, out, err = await tidelog("checkpoint", "--url", base, "--no-wait", "--json")
             assert rc == 0, err

@@ -1,6 +1,7 @@
 """The restore workflow through the whole orchestrator, against the four reference participants as
 real processes, on both journal backends: a checkpoint taken mid-episode, a SIGKILL of every server
-and a restore into fresh ones on new ports continue every episode exactly once; a restore refused by
+and a restore into fresh ones on new ports continue every episode exactly once (the orchestrator sends
+attempt 1 of each to the environment that restored it); a restore refused by
 one participant rolls back everywhere and reports the restore error."""
 
 from __future__ import annotations
@@ -118,14 +119,28 @@ async def test_a_restore_after_sigkill_continues_every_episode_exactly_once(
     row, orch = await restore(journal_url, fresh, tmp_path / "ckpts", "restore-1")
     try:
         trail = [e["to_state"] for e in await events(orch, "restores", "restore-1")]
+        # The orchestrator dispatches attempt 1 of each to the environment that restored it; each
+        # continues from its boundary, finishes and is forgotten.
+        for rid in TASKS:
+            await wait_terminal(orch, models.rollouts, rid, ("forgotten",))
         rollouts = await table(orch, models.rollouts)
+        histories = {rid: [(e["from_state"], e["to_state"]) for e in await events(orch, "rollouts", rid)]
+                     for rid in TASKS}
         calls = [r for r in (await rpc_calls(orch)).values() if r["entity_kind"] == "restores"]
+        runs = [r for r in (await rpc_calls(orch)).values() if r["path"] == "/run"]
     finally:
         await orch.stop()
     assert row["state"] == "done" and row["detail"] is None, row
     assert trail == ["restoring", "resuming", "done"]
     assert set(row["timings"]) == {"restoring", "resuming"}
-    assert {(r["state"], r["attempt"]) for r in rollouts.values()} == {("dispatched", 1)}
+    assert {(r["state"], r["attempt"], r["restored_on"], r["checkpoint_id"]) for r in rollouts.values()} == {
+        ("forgotten", 1, "environment-0", "ck-1")}
+    assert set(map(tuple, histories.values())) == {(
+        (None, "dispatched"), ("dispatched", "pending"), ("pending", "dispatched"), ("dispatched", "finished"),
+        ("finished", "forgotten"))}, histories
+    # One /run each, as the attempt-qualified id of attempt 1, sent once.
+    assert sorted((r["body"]["rollout_id"], r["state"], r["repeatable"]) for r in runs) == [
+        (f"{rid}-a1", "succeeded", False) for rid in sorted(TASKS)]
     # One restore with the same body for everyone, then one resume each; nothing retired.
     restores = [r for r in calls if r["path"].endswith("/restore")]
     # Encoded once: every restore call references the same stored body, so each sent the same bytes.
@@ -136,11 +151,10 @@ async def test_a_restore_after_sigkill_continues_every_episode_exactly_once(
     for kind in KINDS:
         status = await c.status(fresh.url(kind))
         assert (status["phase"], status["checkpoint_id"]) == ("idle", None)
-        assert status["retired_rollouts"] == len(TASKS)  # the replaced attempts 0 are refused
+        # The restore's marks of the replaced attempts 0 were lifted by the forget once they finished.
+        assert status["retired_rollouts"] == 0, (kind, status)
 
-    results = await asyncio.gather(*(c.run(fresh.url("environment"), rid, task, attempt=1)
-                                     for rid, task in TASKS.items()))
-    for result in results:
+    for result in (r["result"] for r in rollouts.values()):
         want = expected[result["rollout_id"]]
         assert result["attempt"] == 1
         assert (result["actions"], result["checks"], result["reward"]) == (

@@ -60,7 +60,7 @@ async def rollouts(journal: Journal) -> dict[str, dict[str, Any]]:
         return {r.id: dict(r._mapping) for r in (await conn.execute(sa.select(models.rollouts))).all()}
 
 
-async def settled(journal: Journal, ids: list[str], states: tuple[str, ...] = ("finished", "failed"),
+async def settled(journal: Journal, ids: list[str], states: tuple[str, ...] = ("forgotten",),
                   timeout: float = 120.0) -> dict[str, dict[str, Any]]:
     async def done() -> dict[str, dict[str, Any]] | None:
         rows = await rollouts(journal)
@@ -106,7 +106,10 @@ async def test_submitted_rollouts_are_dispatched_within_bounds_and_finish_once(
         tasks = {f"r{i}": {"prompt": f"p{i}", "turns": 2} for i in range(10)}
         # The environment refuses this input (an empty prompt) with a typed error, every time.
         await submit(orch, {**tasks, "bad": {"prompt": "", "turns": 1}})
+        # Done for good, then forgotten everywhere (in batches).
         rows = await settled(orch.journal, [*tasks, "bad"])
+        marks = {k: (await controller.status(stack.url(k)))["retired_rollouts"] for k in KINDS}
+        batches = [r for r in (await table(orch, models.retirements)).values() if r["op"] == "forget"]
         calls = await run_calls(orch.journal)
         async with orch.journal.read() as conn:
             history = await audit.query_events(conn, audit.EventFilter(entity_kind="rollouts", limit=audit.MAX_PAGE))
@@ -118,19 +121,25 @@ async def test_submitted_rollouts_are_dispatched_within_bounds_and_finish_once(
         await orch.stop()
     assert [(a["from_state"], a["to_state"]) for a in attempts] == [
         ("pending", "dispatched"), ("dispatched", "errored"), ("pending", "dispatched"), ("dispatched", "errored"),
-        ("retired", "failed")]
+        ("retired", "failed"), ("failed", "forgotten")]
+    # The reruns' retire marks were lifted by the forget: nothing is held for rollouts no longer live.
+    assert marks == {k: 0 for k in KINDS}, marks
+    assert batches and all(b["id"].startswith("fgb-") and b["state"] == "done" for b in batches), batches
+    assert sorted(i for b in batches for i in b["rollout_ids"]) == sorted([*tasks, "bad"])
     assert "HTTP 422 invalid_request" in attempts[1]["reason"]
     bad = rows.pop("bad")
     assert {k: (r["state"], r["attempt"], r["environment"], r["failures"]) for k, r in rows.items()} == {
-        k: ("finished", 0, "environment-0", 0) for k in tasks}
+        k: ("forgotten", 0, "environment-0", 0) for k in tasks}
+    assert {k: [(e["from_state"], e["to_state"]) for e in history if e["entity_id"] == k][-2:] for k in tasks} == {
+        k: [("dispatched", "finished"), ("finished", "forgotten")] for k in tasks}
     # Retried once as attempt 1 (after its attempt 0 was retired everywhere), then failed with the reason.
-    assert (bad["state"], bad["attempt"], bad["failures"]) == ("failed", 1, 2), bad
+    assert (bad["state"], bad["attempt"], bad["failures"]) == ("forgotten", 1, 2), bad
     assert "attempt 1 on environment-0: HTTP 422 invalid_request" in bad["detail"], bad["detail"]
     assert [(e["from_state"], e["to_state"]) for e in history if e["entity_id"] == "bad"] == [
         (None, "pending"), ("pending", "dispatched"), ("dispatched", "errored"), ("errored", "retiring"),
         ("retiring", "retired"), ("retired", "pending"), ("pending", "dispatched"), ("dispatched", "errored"),
-        ("errored", "retiring"), ("retiring", "retired"), ("retired", "failed")]
-    failed_reason = [e["reason"] for e in history if e["entity_id"] == "bad"][-1]
+        ("errored", "retiring"), ("retiring", "retired"), ("retired", "failed"), ("failed", "forgotten")]
+    failed_reason = [e["reason"] for e in history if e["entity_id"] == "bad"][-2]
     assert failed_reason.startswith("failed: 2 attempt(s) ended in an error (rollouts.max_failures = 2)"), failed_reason
     calls = [c for c in calls if c["body"]["rollout_id"] not in ("bad", "bad-a1")]
     for rid, row in rows.items():
@@ -203,23 +212,26 @@ async def test_a_run_in_flight_when_the_orchestrator_dies_is_retired_and_run_aga
         assert await audit.verify(orch.journal) == []
     finally:
         await orch.stop()
-    assert {k: (r["state"], r["attempt"]) for k, r in rows.items()} == {k: ("finished", 1) for k in tasks}
+    assert {k: (r["state"], r["attempt"]) for k, r in rows.items()} == {k: ("forgotten", 1) for k in tasks}
     assert all(h == [(None, "pending"), ("pending", "dispatched"), ("dispatched", "ambiguous"),
                      ("ambiguous", "retiring"), ("retiring", "retired"), ("retired", "pending"),
-                     ("pending", "dispatched"), ("dispatched", "finished")] for h in history.values()), history
+                     ("pending", "dispatched"), ("dispatched", "finished"), ("finished", "forgotten")]
+               for h in history.values()), history
     # Attempt 0's /run was never sent again: it stays ambiguous; attempt 1 went as "<id>-a1".
     by_attempt = Counter((c["body"]["rollout_id"], c["state"]) for c in calls)
     assert by_attempt == Counter({**{(k, "ambiguous"): 1 for k in tasks}, **{(f"{k}-a1", "succeeded"): 1 for k in tasks}})
     assert all(r["result"]["rollout_id"] == k and r["result"]["attempt"] == 1 for k, r in rows.items())
-    assert sorted(r["state"] for r in retirements.values()) == ["done"] * 3
+    reruns = [r for r in retirements.values() if r["op"] == "retire"]
+    assert sorted((r["id"].split("-")[0], r["state"]) for r in reruns) == [("rerun", "done")] * 3, reruns
+    assert all(r["state"] == "done" for r in retirements.values() if r["op"] == "forget")
     # The rerun ran from its input: every step of attempt 1 completed once, under its own key.
     executions = (await controller.status(stack.url("environment")))["executions"]
     steps = {f"turn-{t}:{s}" for t in (1, 2, 3) for s in ("act", "check")} | {"verify"}
     for k in tasks:
         assert executions[f"{k}-a1"] == {s: 1 for s in steps}, executions
-    # The participants refuse the retired attempt until the rollout is forgotten.
-    status = await controller.status(stack.url("environment"))
-    assert status["retired_rollouts"] == 3
+    # Forgotten once finished: the participants hold no mark of the retired attempts any more.
+    for kind in KINDS:
+        assert (await controller.status(stack.url(kind)))["retired_rollouts"] == 0, kind
 
 
 async def test_no_attempt_is_dispatched_while_a_checkpoint_is_open(
@@ -256,7 +268,7 @@ async def test_no_attempt_is_dispatched_while_a_checkpoint_is_open(
     finally:
         agent.send_signal(signal.SIGCONT)
         await orch.stop()
-    assert {r["state"] for r in rows.values()} == {"finished"}
+    assert {r["state"] for r in rows.values()} == {"forgotten"}
     ended = [e["seq"] for e in trail if e["entity_kind"] == "checkpoints" and e["to_state"] in ("done", "aborted", "failed")]
     dispatched = [e["seq"] for e in trail if e["entity_kind"] == "rollouts" and e["to_state"] == "dispatched"]
     assert len(ended) == 1 and len(dispatched) == 4 and min(dispatched) > ended[0], (ended, dispatched)

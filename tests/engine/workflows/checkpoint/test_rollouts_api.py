@@ -117,17 +117,23 @@ async def test_a_dataset_is_checked_then_submitted_in_batches_from_the_command_l
                         + json.dumps({"rollout_id": "job-a2", "input": TASK}) + "\n")
     malformed = tmp_path / "malformed.jsonl"
     malformed.write_text(json.dumps({"rollout_id": "fine", "input": TASK}) + "\n{not json\n")
+    # Half of it again (a resumed submission): nothing new.
+    small = tmp_path / "small.jsonl"
+    small.write_text("".join(big.read_text().splitlines(keepends=True)[:5000]))
     twice = tmp_path / "twice.jsonl"
     twice.write_text(json.dumps({"rollout_id": "d", "input": TASK}) + "\n"
                      + json.dumps({"rollout_id": "d", "input": {"prompt": "other", "turns": 1}}) + "\n")
     async with served(light_settings(journal_url, {})) as (base, orch):
         await leading(base)
         submitted = await tidelog("rollouts", "submit", str(big), "--url", base, "--batch", "2500")
-        resubmitted = await tidelog("rollouts", "submit", str(big), "--url", base, "--json")
         before = await count(orch)
-        refused = {name: await tidelog("rollouts", "submit", str(path), "--url", base)
-                   for name, path in (("reserved", reserved), ("malformed", malformed), ("twice", twice))}
-        missing = await tidelog("rollouts", "submit", str(tmp_path / "none.jsonl"), "--url", base)
+        # Commands that are refused before anything is sent, side by side; then the same file again.
+        *results, resubmitted = await asyncio.gather(
+            *(tidelog("rollouts", "submit", str(path), "--url", base)
+              for path in (reserved, malformed, twice, tmp_path / "none.jsonl")),
+            tidelog("rollouts", "submit", str(small), "--url", base, "--json"))
+        refused = dict(zip(("reserved", "malformed", "twice", "missing"), results))
+        missing = refused.pop("missing")
         after = await count(orch)
         from_stdin = await tidelog("rollouts", "submit", "-", "--url", base,
                                    stdin=json.dumps({"rollout_id": "s1", "input": TASK}) + "\n")
@@ -136,8 +142,9 @@ async def test_a_dataset_is_checked_then_submitted_in_batches_from_the_command_l
     assert submitted[0] == 0, submitted
     assert submitted[1] == f"{big}: 10000 rollout(s) submitted (10000 new, 0 already recorded)\n", submitted
     assert submitted[2].splitlines() == [f"submitted {n:,}/10,000 ({n // 100}%)" for n in (2500, 5000, 7500, 10000)]
-    assert resubmitted[0] == 0 and json.loads(resubmitted[1]) == {"file": str(big), "submitted": 10000, "new": 0,
-                                                                  "existing": 10000}, resubmitted
+    lines = sum(1 for line in small.read_text().splitlines() if line.strip())
+    assert resubmitted[0] == 0 and json.loads(resubmitted[1]) == {"file": str(small), "submitted": lines, "new": 0,
+                                                                  "existing": lines}, resubmitted
     assert before == 10_000 and after == before, (before, after)
     code, _, err = refused["reserved"]
     assert code == 2 and err == (f"tidelog rollouts: {reserved}:2: rollout_id='job-a2': ends with the reserved attempt "
