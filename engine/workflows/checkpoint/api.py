@@ -2,7 +2,8 @@
 
 - ``POST /v1/checkpoints`` ``{"checkpoint_id"?, "directory"?}`` -> 202 ``{"checkpoint_id", "directory",
   "participants"}``; 409 ``checkpoint_open``/``restore_open`` naming the open one, ``already_exists``,
-  ``no_participants``.
+  ``no_participants``, ``membership_incomplete`` (a configured participant is not healthy: a
+  checkpoint covers every one; ``missing`` names each with its state).
 - ``GET /v1/checkpoints[?state=&limit=&before=]`` (newest first, paged by ``before``: ``next_before`` in
   the reply) and ``GET /v1/checkpoints/{id}`` (the row, ``members`` with state, report, blockers,
   manifest and detail, and ``timings``: seconds per state, in the current one, in all, and the
@@ -10,7 +11,9 @@
 - ``POST /v1/checkpoints/{id}/abort`` ``{"reason"?}``: ``aborting`` from preparing, prepared, committing
   or committed (a compare-and-set from the row's state and version); 409 ``not_abortable`` otherwise.
 - ``POST /v1/restores`` ``{"checkpoint_id"?, "directory"?}`` -> 202 ``{"restore_id", "checkpoint_id",
-  ...}``; 404 when the checkpoint is not published there. ``GET /v1/restores[/{id}]``.
+  ...}``; 404 when the checkpoint is not published there; 409 ``membership_mismatch`` unless the
+  participants are the checkpoint's members by name and kind, each healthy (``missing``, ``extra``,
+  ``kinds``). ``GET /v1/restores[/{id}]``.
 - ``POST /v1/rollouts/{id}/retire`` ``{"attempt"}`` and ``POST /v1/rollouts/{id}/forget`` -> 202
   ``{"retirement_id", ...}``. ``GET /v1/retirements[/{id}]``.
 
@@ -43,8 +46,9 @@ from engine.workflows.checkpoint.confined import DirectoryRefused, confine, root
 from engine.workflows.checkpoint.confined import run as run_file_work
 from engine.workflows.checkpoint.restore import CheckpointNotFound, read_latest, read_manifest, start_restore
 from engine.workflows.checkpoint.retirement import InvalidRetirement, request_retirement
-from engine.workflows.checkpoint.rules import (ABORTABLE, NoSuchCheckpoint, NotAbortable, WorkflowOpen,
-                                               abort_checkpoint, refuse_while_open)
+from engine.workflows.checkpoint.rules import (ABORTABLE, MembershipIncomplete, MembershipMismatch, NoSuchCheckpoint,
+                                               NotAbortable, WorkflowOpen, abort_checkpoint, checkpoint_members,
+                                               refuse_while_open, restore_members)
 from engine.workflows.checkpoint.names import STAGE_NAMES, TERMINAL
 
 if TYPE_CHECKING:  # annotations only: the service builds the families
@@ -132,6 +136,10 @@ REFUSALS: Refusals = {
                                        str(exc)),
     NoSuchCheckpoint: lambda exc: ApiError(404, "not_found", str(exc)),
     NotAbortable: lambda exc: ApiError(409, "not_abortable", str(exc)),
+    MembershipIncomplete: lambda exc: ApiError(409, "membership_incomplete", str(exc), missing=exc.missing),
+    MembershipMismatch: lambda exc: ApiError(409, "membership_mismatch", str(exc), "checkpoint_id",
+                                             missing=exc.missing, extra=exc.extra,
+                                             kinds={k: list(v) for k, v in exc.kinds.items()}),
     InvalidRetirement: lambda exc: ApiError(422, "invalid_body", str(exc), exc.field),
 }
 
@@ -188,6 +196,8 @@ def add_workflow_routes(app: web.Application, orch: Orchestrator, mutating: Call
             rows = [to_row("participants", r._mapping)
                     for r in (await tx.execute(sa.select(p).order_by(p.c.id))).all()]
             members = [r for r in rows if r.state == "healthy" and r["kind"] in STAGES]
+            if members:
+                await checkpoint_members(tx)
             if not members:
                 seen = ", ".join(f"{r.id} is {r.state}" for r in rows if r.state != "removed")
                 raise ApiError(409, "no_participants", "no healthy participant to checkpoint "
@@ -249,6 +259,7 @@ def add_workflow_routes(app: web.Application, orch: Orchestrator, mutating: Call
 
         async def write(tx: WriteTx) -> None:
             await refuse_while_open(tx)
+            await restore_members(tx, cid)
             await start_restore(tx, rid, directory, cid, scope)
         await orch.committer.run(write)
         return web.json_response({"restore_id": rid, "checkpoint_id": cid, "directory": directory,

@@ -13,7 +13,9 @@ transaction records the members' answers, moves the checkpoint, and writes the
 next step's calls (planned on the rows as that transaction leaves them, so they
 are the intents a reconcile of the new state would write).
 
-- ``preparing`` — one stage at a time (environment, model, agent, resources):
+- ``preparing`` — first, while a retire or forget is already running (calling
+  participants), the checkpoint waits for it (retirements requested later wait
+  for the checkpoint). Then one stage at a time (environment, model, agent, resources):
   prepare every member of the stage with the stage's deadline. All prepared:
   the next stage (a self-edge, so the next stage's intents are new), or
   ``prepared`` after the last. A member that answers ``preparing`` (deadline
@@ -339,6 +341,9 @@ class CheckpointController(BaseController):
                 waiting = await self._retirement_pending(ctx, retirement_id(row["retry_of"]))
                 if waiting is not None:
                     return waiting
+            running = await self._retirement_running(ctx)
+            if running is not None:
+                return running
             await self._write(ctx, row, members, [Transition(
                 KIND, row.id, "preparing", row.version, "preparing", "stage 0 starts",
                 {"deadline_ts": ctx.clock.time() + self.settings.prepare_timeout_s})])
@@ -365,6 +370,17 @@ class CheckpointController(BaseController):
                                          deadline=self.settings.commit_timeout_s)]
         await self._write(ctx, row, members, ops)
         return Result()
+
+    async def _retirement_running(self, ctx: Context) -> Result | None:
+        """A retire or forget already calling participants is not cut off: stage 0 waits for it.
+        (New ones wait in ``queued`` while this checkpoint is open, so the wait is for those only.)"""
+        q = models.retirements
+        async with ctx.journal.read() as conn:
+            running = (await conn.execute(sa.select(q.c.id).where(q.c.state == "running").limit(1))).scalar()
+        if running is not None:
+            log.debug("checkpoint waits for retirement %s to finish before it prepares", running)
+            return Result(requeue_after=0.25)
+        return None
 
     async def _retirement_pending(self, ctx: Context, retirement: str) -> Result | None:
         """A straggler retry prepares only once its predecessor's blockers are retired."""

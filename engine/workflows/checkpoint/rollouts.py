@@ -75,6 +75,8 @@ class RolloutSettings:
     #: Most rollouts one forget request names, and the wait after a failed one.
     forget_batch: int = 1000
     forget_retry_s: float = 5.0
+    #: The training deployment whose committed weight version each attempt records (None: no training).
+    deployment: str | None = None
 
 
 class Parked(Exception):
@@ -200,6 +202,17 @@ class RolloutController(BaseController):
                          "(rollouts.per_environment)")
         return Slot(name, url)
 
+    async def _head(self, tx: WriteTx) -> str | None:
+        """The deployment's committed weight version now: what the attempt's policy serves (the
+        engine gate serves nothing uncommitted), or ``None`` without training."""
+        if self.settings.deployment is None:
+            return None
+        v = models.weight_versions
+        head: str | None = (await tx.execute(sa.select(v.c.id).where(
+            v.c.deployment == self.settings.deployment, v.c.state == "committed")
+            .order_by(v.c.sequence.desc()).limit(1))).scalar()
+        return head
+
     def _park(self, row: Row, why: str) -> Result:
         log.debug("rollout %s waits: %s", row.id, why)
         self._parked[row.id] = None
@@ -223,7 +236,8 @@ class RolloutController(BaseController):
             reason = f"attempt {attempt} sent to {slot.name}"
             await tx.transition(KIND, row.id, from_state="pending", version=row.version, to_state="dispatched",
                                 reason=reason, changes={"environment": slot.name, "run_call": intent.id,
-                                                        "dispatched_at": tx.now, "ended_at": None})
+                                                        "dispatched_at": tx.now, "ended_at": None,
+                                                        "weight_version": await self._head(tx)})
             await outbox.ensure_all(tx, [(intent, reason)])
         try:
             await ctx.write(write)

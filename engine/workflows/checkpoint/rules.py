@@ -4,6 +4,9 @@ raise typed exceptions (no HTTP here; the routes map them in :data:`engine.workf
 - **one at a time**: a checkpoint or a restore may start only while no checkpoint and no restore
   is open (:func:`refuse_while_open`); they never overlap, so a restore never reads a checkpoint
   being written and a checkpoint never captures a restore half applied;
+- **membership fails closed**: a checkpoint covers every configured participant, so one that is
+  not healthy refuses it (:func:`checkpoint_members`); a restore goes into exactly the
+  participants the checkpoint holds, by name and kind, each healthy (:func:`restore_members`);
 - **abort**: an operator may abort a checkpoint that is preparing, prepared, committing or
   committed (:data:`ABORTABLE`, read from the machine's edges into ``aborting``); it then moves as
   the controller's own abort does, under a fresh resume deadline (:func:`abort_checkpoint`).
@@ -28,6 +31,58 @@ class WorkflowOpen(Exception):
         what = "checkpoint" if kind == "checkpoints" else "restore"
         then = "wait for it to end or abort it first" if kind == "checkpoints" else "wait for it to end first"
         super().__init__(f"{what} {entity_id!r} is open (state {state}); {then}")
+
+
+class MembershipIncomplete(Exception):
+    """Configured participants that are not healthy (``missing``: name -> state): no checkpoint."""
+
+    def __init__(self, missing: dict[str, str]) -> None:
+        self.missing = missing
+        said = ", ".join(f"{name} is {state}" for name, state in sorted(missing.items()))
+        super().__init__(f"a checkpoint covers every configured participant, and {said}; nothing was written")
+
+
+class MembershipMismatch(Exception):
+    """The participants now differ from the checkpoint's members (``missing``: members not here or
+    not healthy, ``extra``: participants the checkpoint does not hold, ``kinds``: name -> (then, now))."""
+
+    def __init__(self, checkpoint_id: str, missing: dict[str, str], extra: list[str],
+                 kinds: dict[str, tuple[str, str]]) -> None:
+        self.checkpoint_id, self.missing, self.extra, self.kinds = checkpoint_id, missing, extra, kinds
+        parts = [f"{name} is {state}" for name, state in sorted(missing.items())]
+        parts += [f"{name} is not a member of it" for name in sorted(extra)]
+        parts += [f"{name} was a {then}, is a {now}" for name, (then, now) in sorted(kinds.items())]
+        super().__init__(f"checkpoint {checkpoint_id!r} restores into its own members only: {'; '.join(parts)}; "
+                         "nothing was restored")
+
+
+async def _participants(tx: WriteTx) -> dict[str, tuple[str, str | None]]:
+    p = models.participants
+    rows = (await tx.execute(sa.select(p.c.id, p.c.state, p.c.kind).where(p.c.state != "removed"))).all()
+    return {r.id: (r.state, r.kind) for r in rows}
+
+
+async def checkpoint_members(tx: WriteTx) -> None:
+    """Raise :class:`MembershipIncomplete` unless every configured participant is healthy."""
+    missing = {name: state for name, (state, _) in (await _participants(tx)).items() if state != "healthy"}
+    if missing:
+        raise MembershipIncomplete(missing)
+
+
+async def restore_members(tx: WriteTx, checkpoint_id: str) -> None:
+    """Raise :class:`MembershipMismatch` unless the participants are the checkpoint's members (names
+    and kinds), every one healthy."""
+    m = models.checkpoint_members
+    members = {r.participant: r.kind for r in (await tx.execute(
+        sa.select(m.c.participant, m.c.kind).where(m.c.checkpoint_id == checkpoint_id))).all()}
+    now = await _participants(tx)
+    missing = {name: now[name][0] if name in now else "not configured" for name in members
+               if name not in now or now[name][0] != "healthy"}
+    extra = sorted(set(now) - set(members))
+    kinds = {name: (kind, str(now[name][1])) for name, kind in members.items()
+             if name in now and now[name][1] is not None and now[name][1] != kind}
+    if missing or extra or kinds:
+        raise MembershipMismatch(checkpoint_id, missing, extra, kinds)
 
 
 class NoSuchCheckpoint(LookupError):
@@ -76,4 +131,5 @@ async def abort_checkpoint(tx: WriteTx, checkpoint_id: str, *, reason: str | Non
     return row.state
 
 
-__all__ = ["ABORTABLE", "NoSuchCheckpoint", "NotAbortable", "WorkflowOpen", "abort_checkpoint", "refuse_while_open"]
+__all__ = ["ABORTABLE", "MembershipIncomplete", "MembershipMismatch", "NoSuchCheckpoint", "NotAbortable",
+           "WorkflowOpen", "abort_checkpoint", "checkpoint_members", "refuse_while_open", "restore_members"]

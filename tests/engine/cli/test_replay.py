@@ -154,7 +154,9 @@ async def test_replay_after_the_orchestrator_is_killed_mid_checkpoint(
     assert (tmp_path / "ckpts" / "LATEST").read_text().strip() == "ck-crash"
 
     cfg = config_for(tmp_path, journal_url)
-    res = await asyncio.to_thread(tidelog, cfg, "replay", "--json")
+    # The take-over into epoch 2, by name: the workers' lease lasts 1 s, so on a loaded machine the
+    # second leader may lose it once and take it again (epoch 3), which is not what this asks about.
+    res = await asyncio.to_thread(tidelog, cfg, "replay", "--json", "--epoch", "2")
     assert res.returncode == 0, res.stderr
     body = json.loads(res.stdout)
     h = body["handover"]
@@ -166,7 +168,8 @@ async def test_replay_after_the_orchestrator_is_killed_mid_checkpoint(
     # ...and what the next leader did about it: the rest of the checkpoint, to done.
     assert [s["to_state"] for s in ck["after"]] == ["committing", "committed", "published", "resuming",
                                                    "done"], ck["after"]
-    assert all(s["epoch"] == 2 for s in ck["after"]) and ck["current_state"] == "done" and ck["terminal_now"]
+    # Every step after it is a later leader's (2, or 3 after such a lapse), none the dead one's.
+    assert all(s["epoch"] >= 2 for s in ck["after"]) and ck["current_state"] == "done" and ck["terminal_now"]
     members = {k[1]: e for k, e in flight.items() if k[0] == "checkpoint_members"}
     assert set(members) == {f"ck-crash/{k}-0" for k in KINDS}
     # The commit that moved the checkpoint to committing also sent the environment's commit (a
@@ -177,7 +180,7 @@ async def test_replay_after_the_orchestrator_is_killed_mid_checkpoint(
     assert all(e["current_state"] in ("healthy",) for k, e in flight.items() if k[0] == "participants")
     assert not any(k[0] == "rpc_calls" and e["terminal_now"] is False for k, e in flight.items())
 
-    res = await asyncio.to_thread(tidelog, cfg, "replay", "--kind", "checkpoints")
+    res = await asyncio.to_thread(tidelog, cfg, "replay", "--kind", "checkpoints", "--epoch", "2")
     assert res.returncode == 0, res.stderr
     assert "epoch 1  died: its lease lapsed" in res.stdout
     assert "checkpoints:ck-crash  was committing" in res.stdout and "now done" in res.stdout

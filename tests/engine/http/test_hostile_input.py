@@ -167,10 +167,14 @@ async def test_a_restore_needs_a_checkpoint_the_journal_records_as_published(jou
                                    json={"checkpoint_id": "ck-done", "directory": str(served.extra_root)})
         assert (status, reply["error"]["code"]) == (409, "checkpoint_mismatch"), reply
         assert await journal_events(journal_url) == before
-        # Put back as published: accepted (a restores row is created).
+        # Put back as published: it passes every check of the files and the journal, and is refused
+        # only because its member env-0 is not among this orchestrator's participants (membership
+        # fails closed); test_api_checkpoints restores into the real members.
         publish_files(root, "ck-done", MEMBERS, scope)
         status, reply = await call("POST", f"{served.base}/v1/restores", headers=AUTH, json={})
-        assert status == 202 and reply["checkpoint_id"] == "ck-done", reply
+        assert (status, reply["error"]["code"]) == (409, "membership_mismatch"), reply
+        assert reply["error"]["missing"] == {"env-0": "not configured"}, reply
+        assert await journal_events(journal_url) == before
         assert_no_traceback(served)
 
 

@@ -353,3 +353,53 @@ async def test_the_list_is_newest_first_and_paged(journal_url: str, tmp_path: Pa
     assert len(failed["checkpoints"]) == 3
     assert one["state"] == "failed" and one["terminal"] and one["members"][0]["participant"] == "res-0"
     assert [p["state"] for p in one["timings"]["phases"]] == ["preparing", "failed"]
+
+
+
+async def test_membership_fails_closed_for_checkpoints_and_restores(journal_url: str, tmp_path: Path) -> None:
+    """Two configured participants, one of them down: no checkpoint (409 ``membership_incomplete``
+    naming it), nothing written. A restore of a published checkpoint whose members differ from the
+    participants (its env-0 missing, res-0 not a member) is refused naming each, nothing written."""
+    from tests.engine.http.test_hostile_input import MEMBERS, checkpoint_rows, publish_files
+
+    root = tmp_path / "ckpts"
+    root.mkdir()
+
+    def configured(participants: dict[str, str]) -> Settings:
+        return Settings.model_validate({
+            "journal": {"url": journal_url}, "control": {"token": TOKEN},
+            "orchestrator": {"lease_ttl_s": 5, "lease_renew_s": 1, "shutdown_grace_s": 1},
+            "discovery": {"probe_timeout_s": 1, "interval_s": 60}, "checkpoint": {"directory": str(root)},
+            "participants": [{"name": n, "url": u} for n, u in participants.items()],
+            "logging": {"level": "WARNING"}})
+
+    up = StatusServer("ok", "resources")
+    await up.start()
+    try:
+        async with served(configured({"res-0": up.url, "env-9": "http://127.0.0.1:9"})) as (base, _):
+            await wait_healthy(base, 1)
+
+            async def env_seen_down() -> bool:
+                _, body = await call("GET", f"{base}/v1/participants")
+                return {p["name"]: p["health"] for p in body["participants"]}.get("env-9") == "unreachable"
+            await until(env_seen_down, what="env-9 to be seen unreachable")
+            before = await count_events(journal_url)
+            status, reply = await call("POST", f"{base}/v1/checkpoints", headers=AUTH, json={})
+            assert (status, reply["error"]["code"]) == (409, "membership_incomplete"), reply
+            assert reply["error"]["missing"] == {"env-9": "unreachable"}, reply
+            assert "covers every configured participant, and env-9 is unreachable" in reply["error"]["detail"]
+            assert await count_events(journal_url) == before, "a refused checkpoint wrote something"
+        # A published checkpoint of other members (env-0, an environment): refused, naming the difference.
+        await checkpoint_rows(journal_url, "ck-other", root, "done", MEMBERS, ["r1"])
+        publish_files(root, "ck-other", MEMBERS, ["r1"])
+        async with served(configured({"res-0": up.url})) as (base, _):
+            await wait_healthy(base, 1)
+            status, reply = await call("POST", f"{base}/v1/restores", headers=AUTH, json={"checkpoint_id": "ck-other"})
+            assert (status, reply["error"]["code"]) == (409, "membership_mismatch"), reply
+            assert reply["error"]["missing"] == {"env-0": "not configured"} and reply["error"]["extra"] == ["res-0"]
+            assert "restores into its own members only" in reply["error"]["detail"], reply
+            assert (await call("GET", f"{base}/v1/restores"))[1]["restores"] == []
+            listed = (await call("GET", f"{base}/v1/checkpoints"))[1]["checkpoints"]
+            assert [c["id"] for c in listed] == ["ck-other"], listed
+    finally:
+        await up.stop()

@@ -272,3 +272,53 @@ async def test_no_attempt_is_dispatched_while_a_checkpoint_is_open(
     ended = [e["seq"] for e in trail if e["entity_kind"] == "checkpoints" and e["to_state"] in ("done", "aborted", "failed")]
     dispatched = [e["seq"] for e in trail if e["entity_kind"] == "rollouts" and e["to_state"] == "dispatched"]
     assert len(ended) == 1 and len(dispatched) == 4 and min(dispatched) > ended[0], (ended, dispatched)
+
+
+async def test_a_checkpoint_waits_for_a_retirement_already_running(
+        journal_url: str, procs: Procs, controller: ParticipantClient, tmp_path: Path) -> None:
+    """A retire held running (its agent SIGSTOPped, so the agent stage waits to its deadline) is not
+    cut off by a checkpoint started meanwhile: the checkpoint's first stage starts only after the
+    retirement has ended."""
+    from engine.workflows.checkpoint.retirement import request_retirement
+    from workers.protocol import EpisodeId
+
+    stack = await start_stack(procs, {k: tmp_path / "state" / k for k in KINDS})
+    cfg = config(journal_url, stack)
+    cfg["checkpoint"] = {**cfg["checkpoint"], "retire_timeout_s": 3, "prepare_timeout_s": 10}
+    orch = Orchestrator(Settings.model_validate(cfg))
+    await orch.start()
+    agent = stack.procs["agent"].proc
+    assert agent is not None
+    try:
+        participants = await wait_healthy(orch, stack)
+        agent.send_signal(signal.SIGSTOP)
+
+        async def retire(tx: Any) -> None:
+            await request_retirement(tx, "rt-held", "retire", episodes=[EpisodeId(rollout_id="x1", attempt=0)])
+        await orch.committer.run(retire)
+
+        async def at_agent() -> bool:
+            row = (await table(orch, models.retirements)).get("rt-held", {})
+            return row.get("state") == "running" and row.get("stage") == 1
+        await until(at_agent, 60)
+
+        async def start(tx: Any) -> None:
+            await start_checkpoint(tx, "ck-after", str(tmp_path / "ckpts"), participants, max_tries=1)
+        await orch.committer.run(start)
+        await asyncio.sleep(0.5)
+        waiting = (await table(orch, models.checkpoints))["ck-after"]
+        agent.send_signal(signal.SIGCONT)
+
+        async def ended() -> bool:
+            row = (await table(orch, models.checkpoints)).get("ck-after", {})
+            return row.get("state") in ("done", "aborted", "failed")
+        await until(ended, 60)
+        async with orch.journal.read() as conn:
+            trail = await audit.query_events(conn, audit.EventFilter(limit=audit.MAX_PAGE))
+    finally:
+        agent.send_signal(signal.SIGCONT)
+        await orch.stop()
+    assert (waiting["state"], waiting["deadline_ts"]) == ("preparing", None), waiting
+    retired = [e["seq"] for e in trail if e["entity_id"] == "rt-held" and e["to_state"] in ("done", "failed")]
+    started = [e["seq"] for e in trail if e["entity_id"] == "ck-after" and e["reason"] == "stage 0 starts"]
+    assert len(retired) == 1 and len(started) == 1 and started[0] > retired[0], (retired, started)

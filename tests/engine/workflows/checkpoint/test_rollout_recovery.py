@@ -31,7 +31,7 @@ from tests.support.workflows import (audit_rows, by_rollout, closed_executions, 
 
 pytestmark = pytest.mark.slow
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-TURNS = 3
+TURNS = 5
 TASKS = {f"e{i}": {"prompt": f"crash task {i}", "turns": TURNS} for i in range(5)}
 
 
