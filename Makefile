@@ -31,9 +31,12 @@ serve: $(VENV)/.installed-run
 	@echo "tidelog: participants: /v1/participants, audit trail: /v1/events or '$(VENV)/bin/tidelog --config $(CONFIG) events'"
 	$(VENV)/bin/tidelog --config $(CONFIG) serve
 
+# mypy runs beside the suite (its report is printed after it); either failing fails the target.
 test: $(VENV)/.installed-test
-	$(PY) -m mypy
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --maxschedchunk 2 $(PYTEST_ARGS)
+	@$(PY) -m mypy > .mypy.out 2>&1 & mypy=$$!; \
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --maxschedchunk 2 $(PYTEST_ARGS); tests=$$?; \
+	wait $$mypy; typed=$$?; echo "mypy:"; cat .mypy.out; rm -f .mypy.out; \
+	test $$tests -eq 0 -a $$typed -eq 0
 
 bench: $(VENV)/.installed-test
 	$(PY) -m pip install --quiet -e '.[test,bench]'
