@@ -210,7 +210,8 @@ class Dispatcher:
             due = await outbox.next_due(conn)
         if due is not None:
             delay = min(delay, max(0.0, (due - self._clock.now()).total_seconds()))
-        if delay <= 0 and all(self._room(pool) <= 0 for pool in self._limits):
+        # What is due and was not claimed waits for a slot of its pool: a finished call wakes the loop.
+        if delay <= 0 and any(self._room(pool) <= 0 for pool in self._limits):
             delay = self._poll_s
         if delay <= 0:
             return
