@@ -236,12 +236,13 @@ async def test_a_run_in_flight_when_the_orchestrator_dies_is_retired_and_run_aga
 
 async def test_no_attempt_is_dispatched_while_a_checkpoint_is_open(
         journal_url: str, procs: Procs, controller: ParticipantClient, tmp_path: Path) -> None:
-    """A checkpoint held open (its agent SIGSTOPped, so the agent's prepare hangs to its deadline)
-    pauses dispatch from its creation to its end; the rollouts submitted meanwhile wait, and go
-    once it has aborted and everyone resumed."""
+    """A checkpoint held open (its agent SIGSTOPped: the agent's prepare, and any resume, waits
+    until SIGCONT) pauses dispatch from its creation to its end; the rollouts submitted meanwhile
+    wait, and go once it has ended and everyone resumed."""
     stack = await start_stack(procs, {k: tmp_path / "state" / k for k in KINDS})
     cfg = config(journal_url, stack)
-    cfg["checkpoint"] = {**cfg["checkpoint"], "prepare_timeout_s": 3, "resume_timeout_s": 5, "max_tries": 1}
+    # Deadlines far beyond the test: the checkpoint stays open for as long as the agent is stopped.
+    cfg["checkpoint"] = {**cfg["checkpoint"], "prepare_timeout_s": 60, "resume_timeout_s": 30, "max_tries": 1}
     orch = Orchestrator(Settings.model_validate(cfg))
     await orch.start()
     agent = stack.procs["agent"].proc
@@ -257,8 +258,11 @@ async def test_no_attempt_is_dispatched_while_a_checkpoint_is_open(
         await submit(orch, tasks)
 
         async def agent_waited() -> bool:
-            members = await table(orch, models.checkpoint_members)
-            return members.get("ck-held/agent-0", {}).get("state") == "preparing"
+            # From the events: the agent's prepare was sent (whatever its member row says by now).
+            async with orch.journal.read() as conn:
+                seen = await audit.query_events(conn, audit.EventFilter(entity_kind="checkpoint_members",
+                                                                        entity_id="ck-held/agent-0"))
+            return any(e["to_state"] == "preparing" for e in seen)
         await until(agent_waited, 60)
         assert {r["state"] for r in (await rollouts(orch.journal)).values()} == {"pending"}
         agent.send_signal(signal.SIGCONT)
@@ -284,7 +288,8 @@ async def test_a_checkpoint_waits_for_a_retirement_already_running(
 
     stack = await start_stack(procs, {k: tmp_path / "state" / k for k in KINDS})
     cfg = config(journal_url, stack)
-    cfg["checkpoint"] = {**cfg["checkpoint"], "retire_timeout_s": 3, "prepare_timeout_s": 10}
+    # A retire deadline far beyond the test: the retirement runs for as long as the agent is stopped.
+    cfg["checkpoint"] = {**cfg["checkpoint"], "retire_timeout_s": 60, "prepare_timeout_s": 30}
     orch = Orchestrator(Settings.model_validate(cfg))
     await orch.start()
     agent = stack.procs["agent"].proc
