@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,15 +11,13 @@ import sqlalchemy as sa
 import yaml
 
 from journal import Journal, audit, schema
+from tests.support.zygote import shared
 
-ROOT = Path(__file__).resolve().parents[3]
 
 
 def tidelog(*args: str, config: Path | None = None) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "engine.cli"]
-    if config is not None:
-        cmd += ["--config", str(config)]
-    return subprocess.run(cmd + list(args), cwd=ROOT, capture_output=True, text=True, timeout=60)
+    cmd = [] if config is None else ["--config", str(config)]
+    return shared().call("engine.cli", cmd + list(args), timeout=60)
 
 
 def config_for(tmp_path: Path, url: str, **extra: object) -> Path:

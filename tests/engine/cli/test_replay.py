@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,14 +23,13 @@ from tests.engine.workflows.checkpoint.test_checkpoint_crash_points import KINDS
 from tests.support.journal_state import FakeClock
 from tests.support.reference_procs import Procs, start_stack
 from tests.support.workflows import state_dirs
+from tests.support.zygote import shared
 
-ROOT = Path(__file__).resolve().parents[3]
 
 
 def tidelog(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "TIDELOG_CONFIG"}
-    return subprocess.run([sys.executable, "-m", "engine.cli", "--config", str(config), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=60)
+    return shared().call("engine.cli", ["--config", str(config), *args], env=env, timeout=60)
 
 
 def config_for(tmp_path: Path, url: str) -> Path:

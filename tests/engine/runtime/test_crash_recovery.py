@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,8 +24,8 @@ from journal import Journal, audit, machines, models
 from tests.support import pipeline
 from tests.support.counting_server import CountingServer
 from tests.support.databases import PostgresServer, migrate, sqlite_url
+from tests.support.zygote import shared
 
-ROOT = Path(__file__).resolve().parents[3]
 PIPELINES = ["p-a", "p-b"]
 pytestmark = pytest.mark.slow
 
@@ -35,13 +34,11 @@ async def run_worker(journal_url: str, target: str, crash_at: str | None) -> int
     env = {k: v for k, v in os.environ.items() if k != ENV}
     if crash_at is not None:
         env[ENV] = crash_at
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tests.support.pipeline_worker", journal_url, target,
-        cwd=ROOT, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    out, err = await asyncio.wait_for(proc.communicate(), timeout=60)
-    if proc.returncode not in (0, -signal.SIGKILL):
-        raise AssertionError(f"worker exited {proc.returncode}:\n{err.decode()[-3000:]}")
-    return proc.returncode if proc.returncode is not None else -1
+    code, _, err = await shared().communicate("tests.support.pipeline_worker", [journal_url, target], env=env,
+                                              timeout=60)
+    if code not in (0, -signal.SIGKILL):
+        raise AssertionError(f"worker exited {code}:\n{err.decode()[-3000:]}")
+    return code
 
 
 async def seed(journal_url: str) -> Journal:

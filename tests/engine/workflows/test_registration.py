@@ -25,7 +25,6 @@ import asyncio
 import json
 import os
 import subprocess
-import sys
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -45,7 +44,8 @@ from engine.runtime.reconciler import BaseController, Context, Result
 from engine.runtime.workflow import Command, Deps, Parts, Workflow, register, registered, unregister
 from journal import EntityKind, Journal, StateMachine, WriteTx
 from journal.models import entity_columns
-from tests.support.served import AUTH, ROOT, TOKEN, serve_process
+from tests.support.served import AUTH, TOKEN, serve_process
+from tests.support.zygote import shared
 
 KIND = "countdowns"
 STAGES = ("ignition", "liftoff", "orbit")
@@ -160,8 +160,7 @@ def registered_countdowns() -> Iterator[Workflow]:
 
 def tidelog(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "TIDELOG_CONTROL_TOKEN": TOKEN}
-    return subprocess.run([sys.executable, "-m", "engine.cli", "--config", str(config), *args], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=120)
+    return shared().call("engine.cli", ["--config", str(config), *args], env=env, timeout=120)
 
 
 async def wait_done(s: aiohttp.ClientSession, base: str, entity_id: str) -> dict[str, Any]:

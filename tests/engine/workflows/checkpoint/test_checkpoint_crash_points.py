@@ -21,7 +21,6 @@ import asyncio
 import json
 import os
 import signal
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +35,9 @@ from journal import Journal, StateMachine, audit, machines, models
 from tests.engine.runtime.test_crash_recovery import new_journal_url
 from tests.support.reference_procs import ParticipantClient, Procs, Stack, start_stack
 from tests.support.workflows import audit_rows, rpc_calls, settings, wait_healthy, wait_terminal
+from tests.support.zygote import shared
 from workers.protocol import EpisodeId
 
-ROOT = Path(__file__).resolve().parents[4]
 KINDS = ("environment", "model", "agent", "resources")
 #: The checkpoint runs' live episodes (about 3 s): still running when the checkpoint prepares, even
 #: after a crash before the prepare and the worker's restart, so every scope holds them.
@@ -51,13 +50,11 @@ async def run_worker(journal_url: str, stack: Stack, workflow: str, args: list[s
     if crash_at is not None:
         env[ENV] = crash_at
     named = [f"{kind}-0={stack.url(kind)}" for kind in KINDS]
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tests.support.workflow_worker", journal_url, workflow, *args, "--", *named,
-        cwd=ROOT, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    _, err = await asyncio.wait_for(proc.communicate(), timeout=120)
-    if proc.returncode not in (0, -signal.SIGKILL):
-        raise AssertionError(f"worker exited {proc.returncode}:\n{err.decode()[-3000:]}")
-    return proc.returncode if proc.returncode is not None else -1
+    code, _, err = await shared().communicate(
+        "tests.support.workflow_worker", [journal_url, workflow, *args, "--", *named], env=env, timeout=120)
+    if code not in (0, -signal.SIGKILL):
+        raise AssertionError(f"worker exited {code}:\n{err.decode()[-3000:]}")
+    return code
 
 
 async def crashed_then_recovered(journal_url: str, stack: Stack, workflow: str, args: list[str],

@@ -8,7 +8,6 @@ import asyncio
 import json
 import os
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +18,8 @@ from tests.engine.workflows.checkpoint.test_api_checkpoints import call, light_s
 from tests.support.participant_server import StatusServer
 from tests.support.reference_procs import KINDS, TOKEN, ParticipantClient, Procs, start_stack
 from tests.support.workflows import settings, state_dirs
+from tests.support.zygote import shared
 
-ROOT = Path(__file__).resolve().parents[4]
 SECONDS = r" \d+\.\ds"
 
 
@@ -28,11 +27,8 @@ async def tidelog(*args: str, token: str | None = TOKEN, timeout: float = 120) -
     env = {k: v for k, v in os.environ.items() if k not in ("TIDELOG_CONFIG", "TIDELOG_CONTROL_TOKEN")}
     if token is not None:
         env["TIDELOG_CONTROL_TOKEN"] = token
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "engine.cli", *args, cwd=ROOT, env=env,
-                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    out, err = await asyncio.wait_for(proc.communicate(), timeout)
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
+    code, out, err = await shared().communicate("engine.cli", list(args), env=env, timeout=timeout)
+    return code, out.decode(), err.decode()
 
 
 @pytest.mark.slow

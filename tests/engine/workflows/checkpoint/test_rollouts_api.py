@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import sys
 from pathlib import Path
 
 import sqlalchemy as sa
@@ -19,8 +18,8 @@ from engine.runtime.service import Orchestrator
 from journal import models
 from tests.engine.workflows.checkpoint.test_api_checkpoints import AUTH, call, light_settings, served, until
 from tests.support.reference_procs import TOKEN
+from tests.support.zygote import shared
 
-ROOT = Path(__file__).resolve().parents[4]
 TASK = {"prompt": "p", "turns": 2}
 
 
@@ -39,12 +38,9 @@ async def count(orch: Orchestrator) -> int:
 async def tidelog(*args: str, stdin: str | None = None) -> tuple[int, str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("TIDELOG_CONFIG", "TIDELOG_CONTROL_TOKEN")}
     env["TIDELOG_CONTROL_TOKEN"] = TOKEN
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "engine.cli", *args, cwd=ROOT, env=env, stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    out, err = await asyncio.wait_for(proc.communicate(stdin.encode() if stdin is not None else None), 120)
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
+    code, out, err = await shared().communicate("engine.cli", list(args), env=env, timeout=120,
+                                                input=stdin.encode() if stdin is not None else None)
+    return code, out.decode(), err.decode()
 
 
 async def test_submission_is_idempotent_and_refusals_are_typed_and_write_nothing(journal_url: str) -> None:

@@ -11,7 +11,6 @@ import asyncio
 import json
 import os
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +24,8 @@ from tests.support.reference_procs import TOKEN
 from tests.support.training import payload
 from tests.workers.inference.engines import EngineProc
 from workers.trainer.steps import write_step_record
+from tests.support.zygote import shared
 
-ROOT = Path(__file__).resolve().parents[4]
 
 
 async def tidelog(*args: str, token: str | None = TOKEN, stdin: str | None = None,
@@ -34,12 +33,9 @@ async def tidelog(*args: str, token: str | None = TOKEN, stdin: str | None = Non
     env = {k: v for k, v in os.environ.items() if k not in ("TIDELOG_CONFIG", "TIDELOG_CONTROL_TOKEN")}
     if token is not None:
         env["TIDELOG_CONTROL_TOKEN"] = token
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "engine.cli", *args, cwd=ROOT, env=env, stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    out, err = await asyncio.wait_for(proc.communicate(stdin.encode() if stdin is not None else None), timeout)
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
+    code, out, err = await shared().communicate("engine.cli", list(args), env=env, timeout=timeout,
+                                                input=stdin.encode() if stdin is not None else None)
+    return code, out.decode(), err.decode()
 
 
 @pytest.mark.slow
