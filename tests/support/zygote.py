@@ -16,7 +16,7 @@ called); the child's parent is the zygote, not the test. The zygote forks from a
 (no event loop runs in it), so no lock is held across a fork.
 
 Protocol, one JSON object per line: the test writes ``{"id", "module", "args", "env", "cwd",
-"stdin", "stdout", "stderr"}`` to the zygote's stdin; the zygote answers ``{"id", "pid"}`` once
+"stdin", "stdout", "stderr", "append_stderr"}`` to the zygote's stdin; the zygote answers ``{"id", "pid"}`` once
 the child is forked and ``{"id", "code"}`` when it has exited (``code`` as
 :attr:`subprocess.Popen.returncode`: negative for a signal).
 
@@ -44,10 +44,12 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-#: What the session's zygote imports: the CLI (every registered family with it) and the harness
-#: workers. Nothing here starts a thread or opens a connection at import.
+#: What the session's zygote imports: the CLI (every registered family with it), the harness
+#: workers and the reference inference engine (torch: 2.7 s of CPU per engine otherwise). Nothing
+#: here opens a connection or starts a Python thread at import (torch starts one native thread,
+#: as it does in every process that ``fork``s after importing it, such as a DataLoader's).
 PRELOAD = ("engine.cli.commands", "engine.runtime.service", "tests.support.training_worker",
-           "tests.support.workflow_worker", "tests.support.pipeline_worker")
+           "tests.support.workflow_worker", "tests.support.pipeline_worker", "workers.inference.reference")
 
 
 # -- the zygote's side ------------------------------------------------------------------------------
@@ -57,9 +59,10 @@ def _child(req: dict[str, Any]) -> None:
     code = 1
     try:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        err_mode = os.O_APPEND if req.get("append_stderr") else os.O_TRUNC
         for fd, path, flags in ((0, req.get("stdin") or os.devnull, os.O_RDONLY),
                                 (1, req["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
-                                (2, req["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
+                                (2, req["stderr"], os.O_WRONLY | os.O_CREAT | err_mode)):
             opened = os.open(path, flags, 0o600)
             os.dup2(opened, fd)
             os.close(opened)
@@ -163,8 +166,9 @@ class Zygote:
             self._codes.clear()
 
     def start(self, module: str, args: list[str], *, env: dict[str, str], cwd: Path, stdout: Path,
-              stderr: Path, stdin: Path | None = None) -> tuple[int, Future[int]]:
-        """Fork ``python -m module args``; its pid and a future of its exit code."""
+              stderr: Path, stdin: Path | None = None, append_stderr: bool = False) -> tuple[int, Future[int]]:
+        """Fork ``python -m module args``; its pid and a future of its exit code. The streams are
+        files, truncated first (``stderr`` appended to when ``append_stderr``)."""
         assert self._proc.stdin is not None
         pid: Future[int] = Future()
         code: Future[int] = Future()
@@ -174,9 +178,17 @@ class Zygote:
             self._pids[ident], self._codes[ident] = pid, code
             self._proc.stdin.write((json.dumps({
                 "id": ident, "module": module, "args": args, "env": env, "cwd": str(cwd),
-                "stdin": str(stdin) if stdin else None, "stdout": str(stdout), "stderr": str(stderr)}) + "\n").encode())
+                "stdin": str(stdin) if stdin else None, "stdout": str(stdout), "stderr": str(stderr),
+                "append_stderr": append_stderr}) + "\n").encode())
             self._proc.stdin.flush()
         return pid.result(timeout=30), code
+
+    def spawn(self, module: str, args: list[str], *, env: dict[str, str], cwd: Path, stdout: Path,
+              stderr: Path, append_stderr: bool = False) -> Child:
+        """Fork ``python -m module args`` and return at once: a :class:`Child` to poll, wait for or kill."""
+        pid, code = self.start(module, args, env=env, cwd=cwd, stdout=stdout, stderr=stderr,
+                               append_stderr=append_stderr)
+        return Child([module, *args], pid, code)
 
     async def run(self, module: str, args: list[str], *, env: dict[str, str], cwd: Path, stdout: Path,
                   stderr: Path, stdin: Path | None = None, timeout: float) -> int:
@@ -241,6 +253,37 @@ class Zygote:
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait()
+
+
+class Child:
+    """A process the zygote forked, with the part of :class:`subprocess.Popen` the tests use."""
+
+    def __init__(self, args: list[str], pid: int, code: Future[int]) -> None:
+        self.args, self.pid, self._code = args, pid, code
+
+    @property
+    def returncode(self) -> int | None:
+        return self._code.result() if self._code.done() else None
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        try:
+            return self._code.result(timeout=timeout)
+        except TimeoutError:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0) from None
+
+    def send_signal(self, signum: int) -> None:
+        # Once the zygote has reaped the child its pid may be reused: signal only a live child.
+        if not self._code.done():
+            try:
+                os.kill(self.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
 
 _SHARED: Zygote | None = None

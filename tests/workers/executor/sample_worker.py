@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -45,6 +46,10 @@ class SampleWorker:
 
     def echo(self, value: Any) -> Any:
         return value
+
+    def main_module_name(self) -> str:
+        """``__mp_main__`` when this process re-imported its parent's main module, else ``__main__``."""
+        return str(sys.modules["__main__"].__name__)
 
     def add(self, amount: int) -> tuple[int, int]:
         self.counter += amount

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -163,3 +164,38 @@ if __name__ == "__main__":
     for pid in pids:
         wait_until(lambda: not pid_alive(pid), what=f"orphaned worker {pid} exiting")
 
+
+
+def test_a_child_imports_the_parents_main_only_when_a_spec_refers_to_it(tmp_path: Path) -> None:
+    # The parent's main here is a script that announces its import: a child that re-imports it
+    # (as ``__mp_main__``) writes a line, so the count tells which children did.
+    imports = tmp_path / "imports"
+    (tmp_path / "entry.py").write_text(f"""
+import json
+from workers.executor import Executor, ExecutorConfig, WorkerSpec
+from tests.workers.executor.sample_worker import SampleWorker
+
+with open({str(imports)!r}, "a") as f:
+    f.write(__name__ + "\\n")
+
+
+class MainWorker(SampleWorker):
+    pass
+
+
+if __name__ == "__main__":
+    seen = {{}}
+    for name, cls in (("imported", SampleWorker), ("defined in main", MainWorker)):
+        ex = Executor.create(ExecutorConfig(backend="mp", workers=(WorkerSpec(cls, args=(0,)),)))
+        try:
+            seen[name] = ex.collective_rpc("main_module_name", timeout=60)
+        finally:
+            ex.shutdown()
+    print(json.dumps(seen))
+""")
+    env = {**os.environ, "PYTHONPATH": REPO_ROOT}
+    done = subprocess.run([sys.executable, "entry.py"], env=env, cwd=tmp_path, timeout=SAFETY,
+                          capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"imported": ["__main__"], "defined in main": ["__mp_main__"]}
+    assert imports.read_text().split() == ["__main__", "__mp_main__"]

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
-import subprocess
-import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.support.zygote import Child, shared
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -35,34 +35,31 @@ class Target:
 
 
 class EngineProc:
-    """``python -m workers.inference.reference`` as a child process; SIGKILLed by :meth:`kill`."""
+    """``python -m workers.inference.reference`` as a child process (forked from this test process's
+    zygote, :mod:`tests.support.zygote`, which has imported it and torch once); SIGKILLed by
+    :meth:`kill`. Its stdout goes to ``LOG.out`` (the harness reads its port there), stderr to ``LOG``."""
 
     def __init__(self, args: list[str], log: Path) -> None:
         self.args, self.log = args, log
-        self.proc: subprocess.Popen[str] | None = None
+        self.proc: Child | None = None
         self.url = ""
 
     def start(self, timeout: float = 60.0) -> EngineProc:
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "workers.inference.reference", *self.args],
-                                         cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True)
-        found = threading.Event()
-        proc = self.proc
-
-        def drain() -> None:  # read the port, then keep the pipe drained until the process exits
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                if not found.is_set() and line.startswith("listening on "):
-                    self.url = line.split()[-1].rstrip("/")
-                    found.set()
-        threading.Thread(target=drain, name="drain-reference-engine", daemon=True).start()
+        out = self.log.with_name(self.log.name + ".out")
+        self.proc = proc = shared().spawn("workers.inference.reference", self.args, env=dict(os.environ), cwd=REPO,
+                                          stdout=out, stderr=self.log, append_stderr=True)
         end = time.monotonic() + timeout
-        while not found.wait(0.05):
+        while True:
+            text = out.read_text(errors="replace") if out.exists() else ""  # the child creates it
+            for line in text.splitlines():
+                if line.startswith("listening on "):
+                    self.url = line.split()[-1].rstrip("/")
+                    return self
             if proc.poll() is not None or time.monotonic() > end:
                 self.kill()
                 raise RuntimeError(f"reference engine did not start (exit {proc.returncode}):\n"
                                    f"{self.log.read_text(errors='replace')[-3000:]}")
-        return self
+            time.sleep(0.05)
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

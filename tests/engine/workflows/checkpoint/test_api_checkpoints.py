@@ -368,7 +368,9 @@ async def test_membership_fails_closed_for_checkpoints_and_restores(journal_url:
     def configured(participants: dict[str, str]) -> Settings:
         return Settings.model_validate({
             "journal": {"url": journal_url}, "control": {"token": TOKEN},
-            "orchestrator": {"lease_ttl_s": 5, "lease_renew_s": 1, "shutdown_grace_s": 1},
+            # No take-over here (each orchestrator releases its lease when it stops): a long lease,
+            # so a test worker starved for seconds by the rest of the suite does not step down.
+            "orchestrator": {"lease_ttl_s": 30, "lease_renew_s": 1, "shutdown_grace_s": 1},
             "discovery": {"probe_timeout_s": 1, "interval_s": 60}, "checkpoint": {"directory": str(root)},
             "participants": [{"name": n, "url": u} for n, u in participants.items()],
             "logging": {"level": "WARNING"}})

@@ -158,8 +158,8 @@ async def test_without_evidence_a_job_waits_for_an_operator_and_never_trains(har
     assert "an operator must decide" in row["ambiguity"] and row["state"] == "AMBIGUOUS"
     assert harness.trainer("health")["step"] == 2  # never trained without evidence
     # The operator looks and decides the step never ran on these weights: it is trained, once.
-    async with orch.journal.write() as tx:
-        await resolve_job(tx, job_id, "not_run", reason="the trainer's log shows the step never started")
+    await orch.committer.run_fresh(lambda tx: resolve_job(
+        tx, job_id, "not_run", reason="the trainer's log shows the step never started"))
     row = await until_state(orch.journal, job_id, "CHECKPOINT")
     assert harness.trainer("health")["step"] == 3 and row["metrics"]["job_id"] == job_id
 

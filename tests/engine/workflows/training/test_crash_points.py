@@ -96,8 +96,10 @@ TIMING = ("engines:serving->serving", "engines:serving->paused", "engines:paused
 LANES = 2
 #: Kinds whose hooks are also crashed at their second passing (the second job's commit).
 SECOND = ("training_jobs:", "weight_versions:")
-#: A safety net per worker process (a run takes seconds), not a measure.
-WORKER_TIMEOUT_S = 120
+#: A safety net per worker process (a run takes seconds), not a measure; beyond the worker's own
+#: deadline (``training_worker.DEADLINE_S``), so a slow run reports what it saw rather than being
+#: killed silently.
+WORKER_TIMEOUT_S = 360
 TRAINER_POINTS = ["train:before", "train:after", "save_checkpoint:after", "prepare_weights:before",
                   "train:before@2", "train:after@2", "save_checkpoint:after@2", "prepare_weights:before@2"]
 ENGINE_PHASES = ["/pause_generation", "/update_weights_from_disk", "/continue_generation"]

@@ -382,8 +382,9 @@ async def test_a_step_no_kept_job_accounts_for_is_dropped_by_a_fresh_trainer(jou
     row = await until_state(orch.journal, bad, "AMBIGUOUS")
     held = await asyncio.to_thread(orch.handle("training").host.rpc, 0, "health")
     assert held["last_job_id"] == bad and held["step"] == 1 and "checkpoint failed" in str(row["ambiguity"])
-    async with orch.journal.write() as tx:
-        await resolve_job(tx, bad, "abandon", reason="its checkpoint cannot be written")
+    # As the API does: the controller may rewrite the AMBIGUOUS row (its reason) meanwhile.
+    await orch.committer.run_fresh(lambda tx: resolve_job(tx, bad, "abandon",
+                                                          reason="its checkpoint cannot be written"))
     (tmp_path / "checkpoints").unlink()
     good = await submit(orch.journal, payload(1), deployment="dep")
     done = await until_state(orch.journal, good, "COMPLETE")
@@ -443,8 +444,7 @@ async def test_rejecting_a_first_job_puts_back_the_initial_weights_and_a_fresh_t
     assert row["state"] == "UPDATING_WEIGHTS" and "failed" in row["detail"], row
     held = await asyncio.to_thread(orch.handle("training").host.rpc, 0, "health")
     assert held["last_job_id"] == job
-    async with orch.journal.write() as tx:
-        await reject_job(tx, job, reason="its reward looked wrong")
+    await orch.committer.run_fresh(lambda tx: reject_job(tx, job, reason="its reward looked wrong"))
     await until_state(orch.journal, job, "REJECTED")
     initial = (await versions(orch.journal))
     head = next(v for v, (state, job_id) in initial.items() if state == "committed" and job_id is None)
