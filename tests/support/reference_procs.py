@@ -1,6 +1,7 @@
 """The reference participants as real processes, and a controller's calls to them.
 
-:class:`RefProc` starts ``python -m workers.reference.<kind> --port 0 --state-dir DIR ...``
+:class:`RefProc` starts ``python -m workers.reference.<kind> --port 0 --state-dir DIR ...`` (forked
+from the test process's zygote)
 (:class:`Procs` adds ``--checkpoint-root`` the test's directory)
 with ``TIDELOG_CONTROL_TOKEN`` in its environment, reads the port from its
 ``listening on http://127.0.0.1:PORT`` line, and sends its log (stderr) to a file, whose
@@ -14,9 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Any
 
 import aiohttp
 
+from tests.support.zygote import Child, shared
 from workers.protocol import CONTROL_PREFIX
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,39 +36,42 @@ def deadline(seconds: float = 20.0) -> float:
 
 
 class RefProc:
-    """One reference server process."""
+    """One reference server process, forked from this test process's zygote
+    (:mod:`tests.support.zygote`, which has imported the reference servers once: 0.7 s of CPU per
+    process otherwise); its stdout goes to ``LOG.out``, where the port is read, stderr to ``LOG``."""
 
     def __init__(self, kind: str, state_dir: Path, args: tuple[str, ...], log: Path,
                  env: dict[str, str] | None = None) -> None:
         self.kind, self.state_dir, self.args, self.log = kind, state_dir, args, log
         self.env = {**os.environ, "TIDELOG_CONTROL_TOKEN": TOKEN} if env is None else env
-        self.proc: subprocess.Popen[str] | None = None
+        self.proc: Child | None = None
         self.url = ""
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", f"workers.reference.{self.kind}", "--port", "0",
-                "--state-dir", str(self.state_dir), *self.args]
+        return [sys.executable, "-m", self.module, *self.arguments()]
+
+    @property
+    def module(self) -> str:
+        return f"workers.reference.{self.kind}"
+
+    def arguments(self) -> list[str]:
+        return ["--port", "0", "--state-dir", str(self.state_dir), *self.args]
 
     def start(self, timeout: float = 30.0) -> RefProc:
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(self.command(), cwd=REPO, env=self.env, stdout=subprocess.PIPE,
-                                         stderr=log, text=True)
-        found = threading.Event()
-        proc = self.proc
-
-        def drain() -> None:  # read the port, then keep the pipe drained until the process exits
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                if not found.is_set() and line.startswith("listening on "):
-                    self.url = line.split()[-1].rstrip("/")
-                    found.set()
-        threading.Thread(target=drain, name=f"drain-{self.kind}", daemon=True).start()
+        out = self.log.with_name(self.log.name + ".out")
+        self.proc = proc = shared().spawn(self.module, self.arguments(), env=dict(self.env), cwd=REPO,
+                                          stdout=out, stderr=self.log, append_stderr=True)
         end = time.monotonic() + timeout
-        while not found.wait(0.02):
+        while True:
+            text = out.read_text(errors="replace") if out.exists() else ""  # the child creates it
+            for line in text.splitlines():
+                if line.startswith("listening on "):
+                    self.url = line.split()[-1].rstrip("/")
+                    return self
             if proc.poll() is not None or time.monotonic() > end:
                 self.kill()
                 raise RuntimeError(f"{self.kind} did not start (exit {proc.returncode}):\n{self.log_tail()}")
-        return self
+            time.sleep(0.02)
 
     def log_tail(self, chars: int = 4000) -> str:
         try:

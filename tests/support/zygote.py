@@ -45,11 +45,14 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 #: What the session's zygote imports: the CLI (every registered family with it), the harness
-#: workers and the reference inference engine (torch: 2.7 s of CPU per engine otherwise). Nothing
+#: workers, the reference inference engine (torch: 2.7 s of CPU per engine otherwise) and the
+#: reference participants. Nothing
 #: here opens a connection or starts a Python thread at import (torch starts one native thread,
 #: as it does in every process that ``fork``s after importing it, such as a DataLoader's).
 PRELOAD = ("engine.cli.commands", "engine.runtime.service", "tests.support.training_worker",
-           "tests.support.workflow_worker", "tests.support.pipeline_worker", "workers.inference.reference")
+           "tests.support.workflow_worker", "tests.support.pipeline_worker", "workers.inference.reference",
+           "workers.reference.environment", "workers.reference.agent", "workers.reference.model",
+           "workers.reference.resources")
 
 
 # -- the zygote's side ------------------------------------------------------------------------------
