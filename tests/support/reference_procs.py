@@ -23,7 +23,7 @@ from typing import Any
 
 import aiohttp
 
-from tests.support.zygote import Child, shared
+from tests.support.zygote import Child, start_server
 from workers.protocol import CONTROL_PREFIX
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,8 +37,8 @@ def deadline(seconds: float = 20.0) -> float:
 
 class RefProc:
     """One reference server process, forked from this test process's zygote
-    (:mod:`tests.support.zygote`, which has imported the reference servers once: 0.7 s of CPU per
-    process otherwise); its stdout goes to ``LOG.out``, where the port is read, stderr to ``LOG``."""
+    (:func:`tests.support.zygote.start_server`; the reference servers are imported there once:
+    0.7 s of CPU per process otherwise)."""
 
     def __init__(self, kind: str, state_dir: Path, args: tuple[str, ...], log: Path,
                  env: dict[str, str] | None = None) -> None:
@@ -58,20 +58,9 @@ class RefProc:
         return ["--port", "0", "--state-dir", str(self.state_dir), *self.args]
 
     def start(self, timeout: float = 30.0) -> RefProc:
-        out = self.log.with_name(self.log.name + ".out")
-        self.proc = proc = shared().spawn(self.module, self.arguments(), env=dict(self.env), cwd=REPO,
-                                          stdout=out, stderr=self.log, append_stderr=True)
-        end = time.monotonic() + timeout
-        while True:
-            text = out.read_text(errors="replace") if out.exists() else ""  # the child creates it
-            for line in text.splitlines():
-                if line.startswith("listening on "):
-                    self.url = line.split()[-1].rstrip("/")
-                    return self
-            if proc.poll() is not None or time.monotonic() > end:
-                self.kill()
-                raise RuntimeError(f"{self.kind} did not start (exit {proc.returncode}):\n{self.log_tail()}")
-            time.sleep(0.02)
+        self.proc, self.url = start_server(self.module, self.arguments(), env=dict(self.env), cwd=REPO,
+                                           log=self.log, timeout=timeout, what=self.kind)
+        return self
 
     def log_tail(self, chars: int = 4000) -> str:
         try:

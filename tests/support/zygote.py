@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from concurrent.futures import Future
 from pathlib import Path
@@ -46,9 +47,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 #: What the session's zygote imports: the CLI (every registered family with it), the harness
 #: workers, the reference inference engine (torch: 2.7 s of CPU per engine otherwise) and the
-#: reference participants. Nothing
-#: here opens a connection or starts a Python thread at import (torch starts one native thread,
-#: as it does in every process that ``fork``s after importing it, such as a DataLoader's).
+#: reference participants. Nothing here opens a connection or starts a Python thread at import
+#: (torch starts one native thread, as it does in every process that ``fork``s after importing
+#: it, such as a DataLoader's).
 PRELOAD = ("engine.cli.commands", "engine.runtime.service", "tests.support.training_worker",
            "tests.support.workflow_worker", "tests.support.pipeline_worker", "workers.inference.reference",
            "workers.reference.environment", "workers.reference.agent", "workers.reference.model",
@@ -287,6 +288,28 @@ class Child:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+
+def start_server(module: str, args: list[str], *, env: dict[str, str], cwd: Path, log: Path,
+                 timeout: float, what: str) -> tuple[Child, str]:
+    """Fork a server from :func:`shared` and wait for its ``listening on URL`` line: the child and
+    the URL. Its stdout goes to ``LOG.out``, its stderr is appended to ``log``. A child that exits
+    or does not listen within ``timeout`` s is SIGKILLed and ``RuntimeError`` names ``what`` with
+    the log's tail."""
+    out = log.with_name(log.name + ".out")
+    child = shared().spawn(module, args, env=env, cwd=cwd, stdout=out, stderr=log, append_stderr=True)
+    end = time.monotonic() + timeout
+    while True:
+        text = out.read_text(errors="replace") if out.exists() else ""  # the child creates it
+        for line in text.splitlines():
+            if line.startswith("listening on "):
+                return child, line.split()[-1].rstrip("/")
+        if child.poll() is not None or time.monotonic() > end:
+            child.kill()
+            child.wait(10)
+            tail = log.read_text(errors="replace")[-4000:] if log.exists() else ""
+            raise RuntimeError(f"{what} did not start (exit {child.returncode}):\n{tail}")
+        time.sleep(0.02)
 
 
 _SHARED: Zygote | None = None

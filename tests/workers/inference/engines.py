@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.zygote import Child, shared
+from tests.support.zygote import Child, start_server
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -36,8 +36,8 @@ class Target:
 
 class EngineProc:
     """``python -m workers.inference.reference`` as a child process (forked from this test process's
-    zygote, :mod:`tests.support.zygote`, which has imported it and torch once); SIGKILLed by
-    :meth:`kill`. Its stdout goes to ``LOG.out`` (the harness reads its port there), stderr to ``LOG``."""
+    zygote by :func:`tests.support.zygote.start_server`: it and torch are imported there once);
+    SIGKILLed by :meth:`kill`."""
 
     def __init__(self, args: list[str], log: Path) -> None:
         self.args, self.log = args, log
@@ -45,21 +45,9 @@ class EngineProc:
         self.url = ""
 
     def start(self, timeout: float = 60.0) -> EngineProc:
-        out = self.log.with_name(self.log.name + ".out")
-        self.proc = proc = shared().spawn("workers.inference.reference", self.args, env=dict(os.environ), cwd=REPO,
-                                          stdout=out, stderr=self.log, append_stderr=True)
-        end = time.monotonic() + timeout
-        while True:
-            text = out.read_text(errors="replace") if out.exists() else ""  # the child creates it
-            for line in text.splitlines():
-                if line.startswith("listening on "):
-                    self.url = line.split()[-1].rstrip("/")
-                    return self
-            if proc.poll() is not None or time.monotonic() > end:
-                self.kill()
-                raise RuntimeError(f"reference engine did not start (exit {proc.returncode}):\n"
-                                   f"{self.log.read_text(errors='replace')[-3000:]}")
-            time.sleep(0.05)
+        self.proc, self.url = start_server("workers.inference.reference", self.args, env=dict(os.environ),
+                                           cwd=REPO, log=self.log, timeout=timeout, what="reference engine")
+        return self
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
