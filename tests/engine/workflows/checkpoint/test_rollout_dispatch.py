@@ -169,9 +169,14 @@ def serve(cfg: dict[str, Any], tmp: Path) -> subprocess.Popen[bytes]:
 
 async def test_a_run_in_flight_when_the_orchestrator_dies_is_retired_and_run_again_as_the_next_attempt(
         journal_url: str, procs: Procs, controller: ParticipantClient, tmp_path: Path) -> None:
-    stack = await start_stack(procs, {k: tmp_path / "state" / k for k in KINDS}, env_delay=0.4)
+    # A step of 1 s makes an episode (three turns of act and check, then verify) last about 7 s, so
+    # that on a loaded machine the first /run cannot finish before the third has been sent.
+    stack = await start_stack(procs, {k: tmp_path / "state" / k for k in KINDS}, env_delay=1.0)
     cfg = config(journal_url, stack, max_in_flight=8)
     cfg["api"] = {"port": 0}
+    # A probe that times out on a loaded machine marks the server unreachable until the next probe:
+    # two seconds, not the shared config's minute (nothing is dispatched to an unreachable server).
+    cfg["discovery"] = {**cfg["discovery"], "interval_s": 2}
     tasks = {f"k{i}": {"prompt": f"p{i}", "turns": 3} for i in range(3)}
     journal = Journal.open(journal_url)
     first = serve(cfg, tmp_path)
@@ -188,10 +193,18 @@ async def test_a_run_in_flight_when_the_orchestrator_dies_is_retired_and_run_aga
 
         async def in_flight() -> bool:
             calls = await run_calls(journal)
+            # Past this point the test cannot do what it is for: say what happened instead of waiting.
+            assert all(c["state"] in ("pending", "inflight") for c in calls), [(c["entity_id"], c["state"]) for c in calls]
             return len(calls) == 3 and all(c["state"] == "inflight" for c in calls)
-        await until(in_flight, 60)
+        try:
+            await until(in_flight, 90)
+        except AssertionError as exc:
+            async with journal.read() as conn:
+                seen = [(r.id, r.state, r.detail) for r in (await conn.execute(sa.select(models.participants))).all()]
+            log_tail = (tmp_path / "serve.log").read_text(errors="replace")[-3000:]
+            raise AssertionError(f"{exc}; participants {seen}; serve.log ends:\n{log_tail}") from None
         # Mid-episode on the environment: one act step completed, the episodes are still running.
-        await asyncio.sleep(0.6)
+        await asyncio.sleep(1.5)
         first.send_signal(signal.SIGKILL)
         first.wait()
         orch_rows = await rollouts(journal)
