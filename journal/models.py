@@ -144,6 +144,9 @@ checkpoints = sa.Table(
     sa.Column("deadline_ts", sa.Float, nullable=True),
     sa.Column("scope", JSONValue(), nullable=True),
     sa.Column("restarts", JSONValue(), nullable=True),
+    # What the checkpoint continues, as the journal's rollouts stood once it was committed everywhere:
+    # {"continued": [capture keys a restore continues], "not_dispatched": [rollout ids]}.
+    sa.Column("rollouts", JSONValue(), nullable=True),
     sa.Column("blockers", JSONValue(), nullable=True),
     sa.Column("manifest_path", sa.Text, nullable=True),
     sa.Column("timings", JSONValue(), nullable=True),

@@ -3,12 +3,14 @@
 Runs everything as real processes on loopback: the orchestrator (``tidelog serve`` over a SQLite
 journal file, or ``--journal-url``) and the four reference participants. Then, as a trainer would:
 
-1. dispatch episodes to the environment (``/run``) and let them get mid-way;
+1. submit the episodes as rollouts (``POST /v1/rollouts``); the orchestrator dispatches them, and
+   they get mid-way;
 2. take a checkpoint through the API and wait until it is published and resumed;
-3. SIGKILL every participant — the episodes in flight die with them;
-4. start fresh participants on the same ports (same state directories: retire marks survive);
-5. restore the latest checkpoint through the API;
-6. send each episode again as its next attempt, which continues from its checkpointed boundary;
+3. SIGKILL the orchestrator and every participant at once — the episodes in flight die with them;
+4. request the restore of the latest checkpoint in the journal, then start fresh participants on
+   the same ports (same state directories) and a fresh orchestrator;
+5. the orchestrator restores them and sends each rollout again as its next attempt, which continues
+   from its checkpointed boundary, then forgets it;
 
 and prints a short report — episodes continued, steps not repeated (the participants count every
 step they complete), time per phase — and the SQL that shows the audit trail. Exit 0 when every
@@ -75,10 +77,12 @@ class Fleet:
                                # the orchestrator's checkpoint directory (see the config below) lies here
                                "--checkpoint-root", str(self.workdir.resolve()), *extra.get(kind, [])])
 
-    def kill_participants(self) -> None:
-        for kind in KINDS:
-            proc = self.procs.pop(kind)
+    def kill(self, *names: str) -> None:
+        """SIGKILL the named processes at once, then reap them."""
+        procs = [self.procs.pop(name) for name in names]
+        for proc in procs:
             proc.send_signal(signal.SIGKILL)
+        for proc in procs:
             proc.wait()
 
     def start_orchestrator(self, config: Path) -> None:
@@ -111,14 +115,15 @@ class Api:
                 raise RuntimeError(f"POST {path}: HTTP {resp.status} {reply}")
             return reply
 
-    async def wait(self, path: str, done: set[str], timeout: float = 120.0) -> dict[str, Any]:
+    async def wait(self, path: str, done: set[str], timeout: float = 120.0, *, quiet: bool = False
+                   ) -> dict[str, Any]:
         end = time.monotonic() + timeout
         last = None
         while time.monotonic() < end:
             row = await self.get(path)
             if row is not None:
                 state = row.get("state")
-                if state != last:
+                if state != last and not quiet:
                     print(f"  {path.rsplit('/', 1)[-1]}: {state}", flush=True)
                     last = state
                 if state in done:
@@ -138,6 +143,23 @@ async def until_up(http: aiohttp.ClientSession, url: str, timeout: float = 30.0)
             pass
         await asyncio.sleep(0.1)
     raise TimeoutError(f"{url} did not come up within {timeout:.0f} s")
+
+
+async def request_restore(journal_url: str, checkpoint_dir: str) -> tuple[str, list[str]]:
+    """Write the restore of ``<checkpoint_dir>/LATEST`` into the journal (no orchestrator runs):
+    its id and the scope it continues."""
+    from engine.workflows.checkpoint.confined import run as confined_run
+    from engine.workflows.checkpoint.restore import resolve_checkpoint, start_restore
+    from journal import Journal
+
+    checkpoint_id, scope = await confined_run(resolve_checkpoint, checkpoint_dir)
+    journal = Journal.open(journal_url)
+    try:
+        async with journal.write() as tx:
+            await start_restore(tx, "rs-demo", checkpoint_dir, checkpoint_id, scope)
+    finally:
+        await journal.dispose()
+    return "rs-demo", scope
 
 
 async def statuses(http: aiohttp.ClientSession, fleet: Fleet, token: str) -> dict[str, dict[str, Any]]:
@@ -211,10 +233,10 @@ async def run(args: argparse.Namespace) -> int:
                 await asyncio.sleep(0.2)
 
             tasks = {f"ep{i}": {"prompt": f"demo task {i}", "turns": args.turns} for i in range(args.episodes)}
-            print(f"dispatching {len(tasks)} episodes of {args.turns} turns each")
-            runs = {rid: asyncio.create_task(http.post(f"{fleet.url('environment')}/run",
-                                                       json={"rollout_id": rid, "task": task}))
-                    for rid, task in tasks.items()}
+            print(f"submitting {len(tasks)} rollouts of {args.turns} turns each; the orchestrator dispatches them")
+            await api.post("/v1/rollouts", {"tasks": [{"rollout_id": rid, "input": t} for rid, t in tasks.items()]})
+            while len((await api.get("/v1/rollouts?state=dispatched") or {}).get("rollouts", [])) < len(tasks):
+                await asyncio.sleep(0.1)
             await asyncio.sleep(args.step_delay * 3)
 
             started = time.perf_counter()
@@ -225,23 +247,27 @@ async def run(args: argparse.Namespace) -> int:
             if row["state"] != "done":
                 print(f"tidelog demo: the checkpoint ended {row['state']}: {row.get('detail')}", file=sys.stderr)
                 return 1
-            scope = list(row.get("scope") or [])
             row_dir = str(Path(row["checkpoint_dir"]) / checkpoint_id)
+            finished_before = {r["id"] for r in (await api.get("/v1/rollouts?state=finished") or {}).get(
+                "rollouts", [])} | {r["id"] for r in (await api.get("/v1/rollouts?state=forgotten") or {}).get(
+                "rollouts", [])}
 
-            fleet.kill_participants()
-            print(f"SIGKILLed all {len(KINDS)} participants; {len(scope)} episodes were in the checkpoint")
-            finished_before = {rid for rid, t in runs.items() if t.done() and not t.exception()}
-            for t in runs.values():
-                t.cancel()
+            fleet.kill("orchestrator", *KINDS)
+            print(f"SIGKILLed the orchestrator and all {len(KINDS)} participants at once")
             started = time.perf_counter()
+            # Requested before a fresh orchestrator leads, as an operator's recovery does: the
+            # restore then continues the rollouts before their lost attempts could be rerun.
+            restore_id, scope = await request_restore(journal_url, str(workdir / "checkpoints"))
+            print(f"restore {restore_id} requested: {len(scope)} episodes were in the checkpoint")
             fleet.start_participants(args.step_delay)
             for kind in KINDS:
                 await until_up(http, fleet.url(kind) + "/ng-control/v1/checkpoint/status")
-            phases["participants restart"] = time.perf_counter() - started
+            fleet.start_orchestrator(config)
+            await until_up(http, api.base + "/healthz")
+            phases["restart"] = time.perf_counter() - started
 
             started = time.perf_counter()
-            restore = await api.post("/v1/restores", {"checkpoint_id": checkpoint_id})
-            row = await api.wait(f"/v1/restores/{restore['restore_id']}", {"done", "failed"})
+            row = await api.wait(f"/v1/restores/{restore_id}", {"done", "failed"})
             phases["restore"] = time.perf_counter() - started
             if row["state"] != "done":
                 print(f"tidelog demo: the restore failed: {row.get('detail')}", file=sys.stderr)
@@ -250,17 +276,12 @@ async def run(args: argparse.Namespace) -> int:
             started = time.perf_counter()
             from workers.protocol import EpisodeId
             continued = [EpisodeId.from_capture_key(k) for k in scope]
-
-            async def finish(episode: EpisodeId) -> dict[str, Any]:
-                nxt = episode.next_attempt()
-                async with http.post(f"{fleet.url('environment')}/run", json={
-                        "rollout_id": nxt.rollout_id, "attempt": nxt.attempt, "task": tasks[nxt.rollout_id]}) as resp:
-                    reply: dict[str, Any] = await resp.json()
-                    if resp.status != 200:
-                        raise RuntimeError(f"/run of {nxt.capture_key}: HTTP {resp.status} {reply}")
-                    return reply
-            results = await asyncio.gather(*(finish(e) for e in continued))
-            phases["finish continued episodes"] = time.perf_counter() - started
+            results = []
+            for episode in continued:  # the orchestrator sends each as its next attempt, then forgets it
+                done = await api.wait(f"/v1/rollouts/{episode.rollout_id}", {"forgotten"}, quiet=True)
+                if (done.get("result") or {}).get("attempt") == episode.attempt + 1:
+                    results.append(done["result"])
+            phases["finish continued rollouts"] = time.perf_counter() - started
             after = await statuses(http, fleet, token)
 
         # The environment's steps of each continued episode: those its checkpointed boundary holds,
@@ -287,7 +308,7 @@ async def run(args: argparse.Namespace) -> int:
         print()
         print("audit trail (SQLite shell):")
         print(f"  sqlite3 {workdir / 'tidelog.db'} \"SELECT seq, ts, entity_kind, entity_id, from_state, to_state, "
-              f"reason FROM events WHERE entity_kind IN ('checkpoints', 'restores') ORDER BY seq;\"")
+              f"reason FROM events WHERE entity_kind IN ('rollouts', 'checkpoints', 'restores') ORDER BY seq;\"")
         print("  more queries: docs/audit.md")
         if repeated:
             print(f"tidelog demo: steps run again or lost: {json.dumps(repeated)}", file=sys.stderr)

@@ -2,9 +2,13 @@
 
     python -m tests.support.workflow_worker JOURNAL_URL WORKFLOW ARGS... -- NAME=URL...
 
-    checkpoint ID DIR [RETIRE]  start checkpoint ID into DIR (if the journal does not hold it yet); with
+    checkpoint ID DIR [RETIRE] [rollouts=A,B,...]
+                                start checkpoint ID into DIR (if the journal does not hold it yet); with
                                 RETIRE (a rollout id), first retire its attempt 0 as retirement
-                                ``pre-ID`` and start the checkpoint only once that retirement is done
+                                ``pre-ID`` and start the checkpoint only once that retirement is done;
+                                with ``rollouts=``, record those rollouts as dispatched (attempt 0,
+                                by the caller's own code: the test sends their /run) in the write
+                                that starts the checkpoint, since a checkpoint's scope is the journal's
     restore ID DIR CHECKPOINT   restore CHECKPOINT from DIR as restore ID
     retire ID ROLLOUT ATTEMPT   retire ROLLOUT up to ATTEMPT as retirement ID
     forget ID ROLLOUT           forget ROLLOUT as retirement ID
@@ -57,6 +61,8 @@ async def main(journal_url: str, workflow: str, args: list[str], participants: d
     journal = open_journal(settings, clock)
     orch = Orchestrator(settings, journal=journal, clock=clock)
     await orch.start()
+    recorded = [rid for a in args if a.startswith("rollouts=") for rid in a.split("=", 1)[1].split(",") if rid]
+    args = [a for a in args if not a.startswith("rollouts=")]
     p, t, entity_id = models.participants, TABLES[workflow], args[0]
     rt = models.retirements
     pre = f"pre-{entity_id}" if workflow == "checkpoint" and len(args) > 2 else None
@@ -80,15 +86,18 @@ async def main(journal_url: str, workflow: str, args: list[str], participants: d
                         return 4
                 else:
                     members = [to_row("participants", r._mapping) for r in healthy]
-                    await orch.committer.run(lambda tx: start(tx, workflow, args, members))
+                    await orch.committer.run(lambda tx: start(tx, workflow, args, members, recorded))
             await asyncio.sleep(0.05)
         return 3
     finally:
         await orch.stop()
 
 
-async def start(tx: WriteTx, workflow: str, args: list[str], members: list[Any]) -> None:
+async def start(tx: WriteTx, workflow: str, args: list[str], members: list[Any], recorded: list[str]) -> None:
     if workflow == "checkpoint":
+        for rid in recorded:
+            await tx.create("rollouts", rid, reason="dispatched by the caller", state="dispatched",
+                            values={"attempt": 0})
         await start_checkpoint(tx, args[0], args[1], members, max_tries=1)
     elif workflow == "restore":
         checkpoint_id, scope = resolve_checkpoint(args[1], args[2])

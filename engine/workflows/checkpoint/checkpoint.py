@@ -21,13 +21,19 @@ are the intents a reconcile of the new state would write).
   ``prepared`` after the last. A member that answers ``preparing`` (deadline
   passed with blockers) or fails: ``aborting``, with the blockers in
   ``blockers`` and the reason in ``detail``. Later stages are never touched.
-- ``prepared`` → ``committing``: the environment members commit first without
-  a scope (each exports every episode it holds at a boundary); their exported
-  episodes, less every restart any member reported, are the scope.
-- ``committing``: every other member commits that scope into the same
-  directory. All committed: ``committed``; a failure: ``aborting``.
+- ``prepared`` → ``committing``: the scope is read from the journal's
+  rollouts (:mod:`engine.workflows.checkpoint.scope`: every attempt in flight,
+  every restored one not sent yet by its replacement attempt), less every
+  restart any member reported.
+- ``committing``: every member, the environments included, commits that scope
+  into the same directory. A failure: ``aborting``. All committed: once every
+  scoped ``/run`` whose episode no environment exported (its reply may be on
+  the wire) has its reply recorded, ``committed`` with the rollout set it
+  continues (``rollouts``: the scoped attempts still in flight or restored, and
+  the rollouts not dispatched yet).
 - ``committed`` → ``published``: ``<dir>/<id>/checkpoint.json`` (the members'
-  manifests, the scope, the restarts) and then ``<dir>/LATEST`` are written
+  manifests; ``scope``, the attempts a restore continues; ``committed_scope``;
+  the restarts; the rollout set) and then ``<dir>/LATEST`` are written
   atomically and durably, by the commit deadline. A publish that fails (a full
   disk, a read-only or unwritable directory, an I/O error) or is still running
   at the deadline: ``aborting``, the path and the OS error in ``detail``, with
@@ -62,6 +68,7 @@ from engine.workflows.checkpoint.open_calls import SETTLED, OpenCalls
 from engine.workflows.checkpoint.publish_files import Publication, PublishFailed
 from engine.workflows.checkpoint.retirement import KIND as RETIREMENTS
 from engine.workflows.checkpoint.retirement import request_retirement
+from engine.workflows.checkpoint.scope import RolloutSet, journal_scope, rollout_set, unsettled_runs
 
 KIND = "checkpoints"
 MEMBERS = "checkpoint_members"
@@ -77,6 +84,8 @@ _RESUMABLE: tuple[str, ...] = tuple(sorted(set(machines.CHECKPOINT_MEMBERS.state
 PUBLISH_TRIES = 3
 #: The pause before a publish is tried again.
 PUBLISH_RETRY_S = 0.5
+#: How often a commit waiting for /run replies already on the wire looks again.
+RUN_REPLY_POLL_S = 0.2
 #: The least time a publish is given, even one first tried at or past the deadline (after a restart).
 PUBLISH_MIN_S = 5.0
 
@@ -201,12 +210,10 @@ class CheckpointController(BaseController):
             body: dict[str, Any] = {"checkpoint_id": row.id, "deadline_ts": deadline,
                                     "checkpoint_dir": str(Path(row["checkpoint_dir"]) / row.id)}
             if row["scope"] is None:
-                # The environments first, without a scope: each exports every episode it holds.
-                return _Step("commit", [m for m in members if m["kind"] == "environment"], body, deadline,
-                             ("prepared",), "committing")
+                return None  # the first look reads the scope from the journal (no calls yet)
+            # Every member, the environments included, commits the one scope the journal gave.
             body["episode_ids"] = [EpisodeId.from_capture_key(k).model_dump() for k in row["scope"]]
-            return _Step("commit", [m for m in members if m["kind"] != "environment"], body, deadline,
-                         ("prepared",), "committing")
+            return _Step("commit", members, body, deadline, ("prepared",), "committing")
         if row.state in ("resuming", "aborting"):
             # Reverse stage order, from wherever each member stands (members never reached too).
             pending = [m for m in members if m.state != "resumed"]
@@ -416,6 +423,17 @@ class CheckpointController(BaseController):
         return ops, "; ".join(failures), blockers
 
     async def _committing(self, ctx: Context, row: Row, members: list[Row]) -> Result:
+        if row["scope"] is None:
+            # The scope is the journal's: the rollouts in flight and the restored ones not sent yet,
+            # less every restart a prepare reported (protocol: PrepareResult.continued).
+            reports = await self._members(ctx, row.id, full=True)
+            restarts = sorted({k for m in reports for k in ((m["report"] or {}).get("restarts") or [])})
+            async with ctx.journal.read() as conn:
+                scope = sorted(set(await journal_scope(conn)) - set(restarts))
+            await self._write(ctx, row, members, [Transition(
+                KIND, row.id, "committing", row.version, "committing", f"scope of {len(scope)} episodes",
+                {"scope": scope, "restarts": restarts})])
+            return Result()
         step = self._plan(row, members, ctx.clock.time())
         assert step is not None
         calls = await self._settled(ctx, row, members, step)
@@ -425,15 +443,21 @@ class CheckpointController(BaseController):
         if failed:
             await self._write(ctx, row, members, [*ops, self._abort(ctx, row, failed)])
             return Result()
-        if row["scope"] is None:
-            reports = await self._members(ctx, row.id, full=True)
-            restarts = sorted({k for m in reports for k in ((m["report"] or {}).get("restarts") or [])})
-            exported = {k for c in calls.values() for k in (c["result"] or {}).get("episode_ids", [])}
-            scope = sorted(exported - set(restarts))
-            ops.append(Transition(KIND, row.id, "committing", row.version, "committing",
-                                  f"scope of {len(scope)} episodes", {"scope": scope, "restarts": restarts}))
-        else:
-            ops.append(self._move(ctx, row, "committed", "committed everywhere"))
+        # A /run reply may be on the wire: wait for every scoped attempt the environments did not
+        # export (its episode is over there) and that is not a restart, until its reply is recorded.
+        exported = {k for m in step.members if m["kind"] == "environment"
+                    for k in (calls[m.id]["result"] or {}).get("episode_ids", [])}
+        async with ctx.journal.read() as conn:
+            outstanding = await unsettled_runs(conn, set(row["scope"]) - exported - set(row["restarts"] or ()))
+            if outstanding and ctx.clock.time() < step.deadline:
+                log.debug("checkpoint %s waits for %d /run replies", row.id, len(outstanding))
+                return Result(requeue_after=RUN_REPLY_POLL_S)
+            rollouts = await rollout_set(conn, row["scope"])
+        if outstanding:  # past the deadline: not continued; after a crash they are retired and rerun
+            log.warning("checkpoint %s: no /run reply by the commit deadline for %s", row.id, outstanding[:5])
+            rollouts = RolloutSet(sorted(set(rollouts.continued) - set(outstanding)), rollouts.not_dispatched)
+        ops.append(self._move(ctx, row, "committed", "committed everywhere",
+                              rollouts={"continued": rollouts.continued, "not_dispatched": rollouts.not_dispatched}))
         await self._write(ctx, row, members, ops)
         return Result()
 
@@ -467,7 +491,11 @@ class CheckpointController(BaseController):
         """
         members = await self._members(ctx, row.id, full=True)
         root = Path(row["checkpoint_dir"])
-        manifest = {"checkpoint_id": row.id, "scope": row["scope"], "restarts": row["restarts"],
+        kept = row["rollouts"] or {"continued": row["scope"], "not_dispatched": []}
+        continued = RolloutSet(kept["continued"], kept["not_dispatched"])
+        # "scope" is what a restore continues; "committed_scope" what every member committed.
+        manifest = {"checkpoint_id": row.id, "scope": continued.continued, "committed_scope": row["scope"],
+                    "restarts": row["restarts"], "rollouts": continued.as_json(),
                     "members": {m["participant"]: {"kind": m["kind"], "manifest": m["manifest"],
                                                    "episode_ids": m["episode_ids"]} for m in members}}
         path = root / row.id / "checkpoint.json"

@@ -61,6 +61,8 @@ ROLLOUTS = "rollouts"
 #: Rollout states a restore continues from (every state in which the checkpointed attempt is not
 #: over for good): the row becomes ``pending`` as the next attempt.
 CONTINUED = ("pending", "dispatched", "ambiguous", "errored", "retiring", "retired")
+#: Rollout states a restore leaves out of its scope: the rollout ended for good after the checkpoint.
+ENDED_FOR_GOOD = ("finished", "failed", "forgotten")
 RESTORE_PATH = f"{CONTROL_PREFIX}/restore"
 #: Resume order: the prepare order backwards.
 RESUME_ORDER: tuple[str, ...] = ("resources", "agent", "model", "environment")
@@ -162,9 +164,20 @@ async def start_restore(tx: WriteTx, restore_id: str, checkpoint_dir: str, check
     """Create the ``restores`` row in ``restoring``: restore ``checkpoint_id`` (published under
     ``checkpoint_dir``) for the episodes ``scope`` names. Without ``deadline_ts`` the restore's
     deadline is its creation plus ``restore_timeout_s``. Raises ``ValueError`` for an invalid
-    capture key in ``scope``."""
-    for key in scope:
-        EpisodeId.from_capture_key(key)
+    capture key in ``scope``.
+
+    A scoped rollout the journal holds as ended for good (``finished``, ``failed``, ``forgotten``:
+    its reply came in after the checkpoint) is left out: nothing of it is continued, and no
+    participant is left holding a retire mark that no forget would clear."""
+    wanted = {EpisodeId.from_capture_key(key).rollout_id: key for key in scope}
+    t = models.rollouts
+    ids = sorted(wanted)
+    for i in range(0, len(ids), 500):  # bounded IN lists (SQLite's variable limit)
+        ended = (await tx.execute(sa.select(t.c.id).where(t.c.id.in_(ids[i:i + 500]),
+                                                          t.c.state.in_(ENDED_FOR_GOOD)))).scalars()
+        for rid in ended:
+            wanted.pop(rid, None)
+    scope = list(wanted.values())
     await tx.create(KIND, restore_id, reason=f"restore of checkpoint {checkpoint_id} requested",
                     values={"checkpoint_id": checkpoint_id, "checkpoint_dir": checkpoint_dir,
                             "scope": sorted(set(scope)), "deadline_ts": deadline_ts})

@@ -1,5 +1,6 @@
-"""``tidelog demo`` end to end on both journal backends: real processes, a checkpoint mid-episode,
-every participant SIGKILLed, a restore, and every episode finished from its boundary with no
+"""``tidelog demo`` end to end on both journal backends: real processes, rollouts submitted and
+dispatched by the orchestrator, a checkpoint mid-episode, the orchestrator and every participant
+SIGKILLed, a restore, and every rollout finished from its boundary as its next attempt with no
 environment step run again or lost (the demo exits 1 otherwise)."""
 
 from __future__ import annotations

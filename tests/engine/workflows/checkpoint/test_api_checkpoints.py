@@ -26,7 +26,7 @@ from engine.runtime.service import Orchestrator
 from journal import Journal, models
 from tests.support.participant_server import StatusServer
 from tests.support.reference_procs import KINDS, TOKEN, ParticipantClient, Procs, start_stack
-from tests.support.workflows import settings, state_dirs
+from tests.support.workflows import add_rollouts, settings, state_dirs
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 TERMINAL = ("done", "aborted", "failed")
@@ -38,8 +38,9 @@ def orchestrator(s: Settings) -> Orchestrator:
 
 
 @asynccontextmanager
-async def served(s: Settings) -> AsyncIterator[tuple[str, Orchestrator]]:
-    """The orchestrator with its API on a loopback port; stopped (lease released) at the end."""
+async def served(s: Settings, *, lead: bool = True) -> AsyncIterator[tuple[str, Orchestrator]]:
+    """The orchestrator with its API on a loopback port, once it leads (unless ``lead`` is false: a
+    standby); stopped (lease released) at the end."""
     orch = orchestrator(s)
     runner = web.AppRunner(make_app(orch), access_log=None)
     await runner.setup()
@@ -48,6 +49,10 @@ async def served(s: Settings) -> AsyncIterator[tuple[str, Orchestrator]]:
     await orch.start()
     host, port = runner.addresses[0][:2]
     try:
+        async def leading() -> bool:  # a standby refuses writes (not_leader): wait for the election
+            return orch.is_leader
+        if lead:
+            await until(leading, what="the orchestrator to lead")
         yield f"http://{host}:{port}", orch
     finally:
         await runner.cleanup()
@@ -206,8 +211,10 @@ async def test_a_published_checkpoint_is_restored_through_the_api_into_fresh_par
     runs = [asyncio.create_task(controller.run(stack.url("environment"), f"r{i}", {"prompt": f"p{i}", "turns": 3}))
             for i in range(2)]
     await asyncio.sleep(0.5)
-    async with served(settings(journal_url, stack, prepare_timeout_s=10, roots=[str(tmp_path)])) as (base, _):
+    async with served(settings(journal_url, stack, prepare_timeout_s=10, roots=[str(tmp_path)])) as (base, orch):
         await wait_healthy(base)
+        # The test's own dispatch, recorded: a checkpoint's scope is the journal's rollouts.
+        await add_rollouts(orch, {f"r{i}": {"prompt": f"p{i}", "turns": 3} for i in range(2)})
         status, started = await call("POST", f"{base}/v1/checkpoints", headers=AUTH,
                                      json={"checkpoint_id": "ck-r", "directory": str(tmp_path / "ckpts")})
         assert status == 202, started
@@ -305,7 +312,7 @@ async def test_bad_bodies_missing_tokens_and_standbys_are_refused_and_change_not
             assert await count_events(journal_url) == before, "a refused request wrote something"
 
             # A standby on the same journal answers reads but refuses writes.
-            async with served(light_settings(journal_url, {"res-0": participant.url})) as (standby, _):
+            async with served(light_settings(journal_url, {"res-0": participant.url}), lead=False) as (standby, _):
                 status, reply = await call("POST", f"{standby}/v1/checkpoints", headers=AUTH, json={})
                 assert (status, reply["error"]["code"]) == (503, "not_leader"), reply
                 assert (await call("GET", f"{standby}/v1/checkpoints"))[0] == 200

@@ -111,7 +111,8 @@ async def checkpoint_run(backend: str, request: pytest.FixtureRequest, tmp_path:
     directory = tmp_path / f"ck-{tag}"
     url = await new_journal_url(backend, request, tmp_path / f"{tag}.db")
     worker = asyncio.create_task(crashed_then_recovered(url, stack, "checkpoint",
-                                                        [f"ck-{tag}", str(directory), f"{tag}-x"], crash_at))
+                                                        [f"ck-{tag}", str(directory), f"{tag}-x",
+                                                         f"rollouts={tag}-r0,{tag}-r1"], crash_at))
     await asyncio.wait({retired, worker}, return_when=asyncio.FIRST_COMPLETED)
     if not retired.done():
         worker.result()  # a worker that failed says why
@@ -231,7 +232,8 @@ async def test_every_restore_crash_point_recovers(backend: str, request: pytest.
     await asyncio.sleep(0.5)
     directory = tmp_path / "ckpts"
     _, row, codes = await run_and_check(backend, request, tmp_path / "source.db", source, "checkpoint",
-                                        ["ck-src", str(directory)], None, ["checkpoints"], models.checkpoints)
+                                        ["ck-src", str(directory), f"rollouts={','.join(tasks)}"], None,
+                                        ["checkpoints"], models.checkpoints)
     assert codes == [0] and row.state == "done" and sorted(row.scope) == sorted(tasks), row.scope
     source.kill()
     for run in runs:

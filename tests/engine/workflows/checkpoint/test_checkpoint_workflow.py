@@ -17,7 +17,7 @@ from engine.runtime.service import Orchestrator
 from journal import audit, models
 from tests.support.audit_sql import queries
 from tests.support.reference_procs import ParticipantClient, Procs, start_stack
-from tests.support.workflows import settings, table, until
+from tests.support.workflows import add_rollouts, settings, table, until
 
 pytestmark = pytest.mark.slow
 
@@ -32,8 +32,10 @@ async def audit_query(orch: Orchestrator, name: str, **params: str) -> list[dict
         return [dict(r._mapping) for r in result.all()]
 
 
-async def run_checkpoint(orch: Orchestrator, checkpoint_id: str, directory: Path, *, max_tries: int = 1
-                         ) -> dict[str, Any]:
+async def run_checkpoint(orch: Orchestrator, checkpoint_id: str, directory: Path, *, max_tries: int = 1,
+                         rollouts: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Checkpoint once every participant is healthy, first recording ``rollouts`` (id -> task) as
+    dispatched (attempt 0) by the test's own code; the checkpoint's row once it ended."""
     async def healthy() -> list[Any]:
         rows = await table(orch, models.participants)
         return [r for r in rows.values() if r["state"] == "healthy"] if len(rows) == 4 and all(
@@ -41,6 +43,8 @@ async def run_checkpoint(orch: Orchestrator, checkpoint_id: str, directory: Path
     await until(healthy)
     from journal.writes import to_row
     participants = [to_row("participants", r) for r in (await table(orch, models.participants)).values()]
+    if rollouts:
+        await add_rollouts(orch, rollouts)
 
     async def start(tx: Any) -> None:
         await start_checkpoint(tx, checkpoint_id, str(directory), participants, max_tries=max_tries)
@@ -69,7 +73,10 @@ async def test_a_checkpoint_mid_episode_is_published_and_everyone_resumed(
     orch = Orchestrator(settings(journal_url, stack, prepare_timeout_s=10))
     await orch.start()
     try:
-        row = await run_checkpoint(orch, "ck-1", tmp_path / "ckpts")
+        # Sent by this test, recorded in the journal as its own dispatch: the checkpoint's scope is
+        # the journal's (r3 is dispatched in the journal only: committed, nothing of it exported).
+        row = await run_checkpoint(orch, "ck-1", tmp_path / "ckpts",
+                                   rollouts={f"r{i}": {"prompt": f"p{i}", "turns": 4} for i in range(4)})
         members = await table(orch, models.checkpoint_members)
         async with orch.journal.read() as conn:
             trail = [e["to_state"] for e in await audit.query_events(conn, audit.EventFilter(entity_kind="checkpoints"))]
@@ -79,7 +86,9 @@ async def test_a_checkpoint_mid_episode_is_published_and_everyone_resumed(
         assert await audit_query(orch, "checkpoints-containing-rollout", rollout="r") == []
         assert [r["to_state"] for r in await audit_query(orch, "checkpoint-trail", checkpoint="ck-1")] == trail
         assert len(await audit_query(orch, "checkpoint-leaders")) == 1
-        assert await audit_query(orch, "rollout-history", rollout="r0") == []  # not dispatched by tidelog
+        # Recorded, not dispatched by tidelog: the row's creation is its whole history.
+        assert [(r["from_state"], r["to_state"]) for r in await audit_query(orch, "rollout-history", rollout="r0")
+                ] == [(None, "dispatched")]
         sent = await audit_query(orch, "checkpoint-call-bodies", checkpoint="ck-1")
     finally:
         await orch.stop()
@@ -90,19 +99,23 @@ async def test_a_checkpoint_mid_episode_is_published_and_everyone_resumed(
     assert (tmp_path / "ckpts" / "LATEST").read_text().strip() == "ck-1"
     published = json.loads((tmp_path / "ckpts" / "ck-1" / "checkpoint.json").read_text())
     assert set(published["members"]) == {"environment-0", "model-0", "agent-0", "resources-0"}
-    assert published["scope"] and set(published["scope"]) <= {"r0", "r1", "r2"}
+    # Every member committed the journal's scope; the environment exported the three live episodes.
+    assert published["committed_scope"] == published["scope"] == ["r0", "r1", "r2", "r3"]
+    assert published["rollouts"] == {"continued": [{"rollout_id": f"r{i}", "attempt": 0} for i in range(4)],
+                                     "not_dispatched": []}
+    assert members["ck-1/environment-0"]["episode_ids"] == ["r0", "r1", "r2"]
     assert all(m["state"] == "resumed" for m in members.values())
     assert all(m["manifest"]["checkpoint_id"] == "ck-1" for m in members.values())
     # Every step's calls sent one stored body (content-addressed): each prepare stage its own deadline,
-    # the two commit waves theirs, and the four resume stages one request (the same deadline).
+    # the commit one body to all four, and the four resume stages one request (the same deadline).
     assert len(sent) == 12 and all(c["body_id"] and c["state"] == "succeeded" for c in sent)
     bodies: dict[str, set[str]] = {}
     for c in sent:
         bodies.setdefault(c["path"].rsplit("/", 1)[1], set()).add(c["body_id"])
-    assert {op: len(ids) for op, ids in bodies.items()} == {"prepare": 4, "commit": 2, "resume": 1}
-    commit_others = [json.loads(c["sent"]) for c in sent if c["path"].endswith("/commit") and "episode_ids" in c["sent"]]
-    assert len(commit_others) == 3 and all(b == commit_others[0] for b in commit_others)
-    assert sorted(e["rollout_id"] for e in commit_others[0]["episode_ids"]) == sorted(published["scope"])
+    assert {op: len(ids) for op, ids in bodies.items()} == {"prepare": 4, "commit": 1, "resume": 1}
+    commits = [json.loads(c["sent"]) for c in sent if c["path"].endswith("/commit")]
+    assert len(commits) == 4 and all(b == commits[0] for b in commits)
+    assert sorted(e["rollout_id"] for e in commits[0]["episode_ids"]) == published["committed_scope"]
     for kind in ("environment", "model", "agent", "resources"):
         status = await controller.status(stack.url(kind))
         assert status["phase"] == "idle" and status["checkpoint_id"] is None

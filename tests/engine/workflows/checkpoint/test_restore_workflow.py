@@ -16,6 +16,7 @@ import pytest
 
 from engine.workflows.checkpoint.restore import (CheckpointNotFound, RestoreController, RestoreSettings, resolve_checkpoint, start_restore)
 from engine.runtime.service import Orchestrator
+from engine.workflows.checkpoint.rollouts import RolloutController, RolloutSettings
 from journal import models
 from tests.support.checkpoints import corrupt_manifest
 from tests.support.reference_procs import KINDS, ParticipantClient, Procs, Stack, start_stack
@@ -164,6 +165,71 @@ async def test_a_restore_after_sigkill_continues_every_episode_exactly_once(
         assert by_rollout(old[kind], new[kind]) == {
             rid: Counter(dict.fromkeys(steps_of(kind, TURNS), 1)) for rid in TASKS}, (kind, old[kind], new[kind])
         assert all(key.endswith("-a1") for key in new[kind]), new[kind]
+
+
+async def test_a_checkpoint_right_after_a_restore_keeps_every_restored_episode_on_every_participant(
+        journal_url: str, procs: Procs, controller: ParticipantClient, tmp_path: Path) -> None:
+    """Restored, and checkpointed again before any replacement was sent: the scope names each restored
+    episode by its replacement attempt and every participant, the environment included, commits it
+    and keeps its restored state; the replacements then continue from their boundaries."""
+    c = controller
+    clean = await start_stack(procs, state_dirs(tmp_path / "clean"))
+    expected = dict(zip(TASKS, await asyncio.gather(
+        *(c.run(clean.url("environment"), rid, task) for rid, task in TASKS.items()))))
+    clean.kill()
+    dirs = state_dirs(tmp_path / "state")
+    stack = await start_stack(procs, dirs, env_delay=0.2, model_delay=0.05)
+    old = await checkpoint_then_crash(journal_url, c, stack, tmp_path / "ckpts")
+    fresh = await start_stack(procs, dirs)
+    # Dispatch held by an in-flight bound of zero (a real rollout controller, configured so): the
+    # second checkpoint comes before any replacement is sent.
+    held = Orchestrator(settings(journal_url, fresh, prepare_timeout_s=10), controllers=[
+        RestoreController(RestoreSettings(restore_timeout_s=20, resume_timeout_s=10)),
+        RolloutController(RolloutSettings(max_in_flight=0))])
+    checkpoint_id, scope = await asyncio.to_thread(resolve_checkpoint, str(tmp_path / "ckpts"))
+    await held.start()
+    try:
+        await wait_healthy(held, fresh)
+
+        async def start(tx: Any) -> None:
+            await start_restore(tx, "restore-1", str(tmp_path / "ckpts"), checkpoint_id, scope)
+        await held.committer.run(start)
+        assert (await wait_terminal(held, models.restores, "restore-1", ("done", "failed")))["state"] == "done"
+        second = await run_checkpoint(held, fresh, "ck-2", tmp_path / "ckpts")
+        members = {m["kind"]: m for m in (await table(held, models.checkpoint_members)).values()
+                   if m["checkpoint_id"] == "ck-2"}
+        waiting = {(r["state"], r["attempt"], r["restored_on"]) for r in (await table(held, models.rollouts)).values()}
+    finally:
+        await held.stop()
+    replacements = sorted(f"{rid}-a1" for rid in TASKS)
+    assert second["state"] == "done", second
+    assert waiting == {("pending", 1, "environment-0")}, waiting
+    published = json.loads((tmp_path / "ckpts" / "ck-2" / "checkpoint.json").read_text())
+    assert published["committed_scope"] == published["scope"] == replacements, published["scope"]
+    assert published["rollouts"]["continued"] == [{"rollout_id": rid, "attempt": 1} for rid in sorted(TASKS)]
+    # The environment exported its restored episodes and, being in scope, kept them.
+    assert members["environment"]["episode_ids"] == replacements, members["environment"]
+    env = await c.status(fresh.url("environment"))
+    assert env["restored_pending"] == len(TASKS), env
+
+    # Dispatch free again: each replacement continues from its boundary and ends as an uncrashed run.
+    orch = orchestrator(journal_url, fresh)
+    await orch.start()
+    try:
+        for rid in TASKS:
+            await wait_terminal(orch, models.rollouts, rid, ("forgotten",))
+        rollouts = await table(orch, models.rollouts)
+    finally:
+        await orch.stop()
+    for row in rollouts.values():
+        want = expected[row["id"]]
+        assert (row["attempt"], row["result"]["actions"], row["result"]["checks"], row["result"]["reward"]) == (
+            1, want["actions"], want["checks"], want["reward"]), row
+    new = {kind: (await c.status(fresh.url(kind)))["executions"] for kind in KINDS}
+    for kind in KINDS:
+        assert by_rollout(old[kind], new[kind]) == {
+            rid: Counter(dict.fromkeys(steps_of(kind, TURNS), 1)) for rid in TASKS}, (kind, old[kind], new[kind])
+        assert (await c.status(fresh.url(kind)))["retired_rollouts"] == 0, kind
 
 
 async def test_a_restore_refused_by_one_participant_rolls_back_everywhere(
