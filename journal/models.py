@@ -147,6 +147,8 @@ checkpoints = sa.Table(
     # What the checkpoint continues, as the journal's rollouts stood once it was committed everywhere:
     # {"continued": [capture keys a restore continues], "not_dispatched": [rollout ids]}.
     sa.Column("rollouts", JSONValue(), nullable=True),
+    # Why an aborted try is tried again without blockers: "export_failed" (null otherwise).
+    sa.Column("retry_reason", sa.String(32), nullable=True),
     sa.Column("blockers", JSONValue(), nullable=True),
     sa.Column("manifest_path", sa.Text, nullable=True),
     sa.Column("timings", JSONValue(), nullable=True),

@@ -67,7 +67,8 @@ from engine.workflows.checkpoint.fanout import control_intent, describe_error, r
 from engine.workflows.checkpoint.open_calls import SETTLED, OpenCalls
 from engine.workflows.checkpoint.publish_files import Publication, PublishFailed
 from engine.workflows.checkpoint.retirement import KIND as RETIREMENTS
-from engine.workflows.checkpoint.retirement import request_retirement
+from engine.workflows.checkpoint.retries import (EXPORT_FAILED, member_id, next_try_id, retirement_id, retries,
+                                                 start_retry)
 from engine.workflows.checkpoint.scope import RolloutSet, journal_scope, rollout_set, unsettled_runs
 
 KIND = "checkpoints"
@@ -133,10 +134,6 @@ def _project(row: Row, members: list[Row], ops: Sequence[Transition]) -> tuple[R
 
 def _light(member: Row) -> Row:
     return Row(member.kind, member.id, member.state, member.version, {k: member[k] for k in _LIGHT[3:]})
-
-
-def member_id(checkpoint_id: str, participant: str) -> str:
-    return f"{checkpoint_id}/{participant}"
 
 
 async def start_checkpoint(tx: WriteTx, checkpoint_id: str, checkpoint_dir: str,
@@ -441,7 +438,10 @@ class CheckpointController(BaseController):
             return self._wait(ctx, step.deadline)
         ops, failed = self._commit_outcomes(step.members, calls)
         if failed:
-            await self._write(ctx, row, members, [*ops, self._abort(ctx, row, failed)])
+            # A failed export ends this checkpoint id for good: resume, then prepare under a new one.
+            export_failed = any((c["error"] or {}).get("code") == EXPORT_FAILED for c in calls.values())
+            await self._write(ctx, row, members, [*ops, self._abort(
+                ctx, row, failed, **({"retry_reason": EXPORT_FAILED} if export_failed else {}))])
             return Result()
         # A /run reply may be on the wire: wait for every scoped attempt the environments did not
         # export (its episode is over there) and that is not a restart, until its reply is recorded.
@@ -548,7 +548,7 @@ class CheckpointController(BaseController):
                for m in step.members]
         stepping = {m.id for m in step.members}
         last = all(m.state == "resumed" or m.id in stepping for m in members)
-        if last and not self._retries(row, final):
+        if last and not retries(row, final):
             ops.append(self._move(ctx, row, final, "every member resumed"))
             await self._write(ctx, row, members, ops)
             return Result()
@@ -558,48 +558,11 @@ class CheckpointController(BaseController):
             return Result(requeue_after=0.0)
         return Result()
 
-    @staticmethod
-    def _retries(row: Row, final: str) -> bool:
-        """An abort with blockers and tries left ends in a straggler retry."""
-        return final == "aborted" and bool(row["blockers"]) and row["try_number"] < row["max_tries"]
-
     async def _finish(self, ctx: Context, row: Row, members: list[Row], final: str) -> None:
-        if self._retries(row, final):
-            blockers = sorted({k for keys in (row["blockers"] or {}).values() for k in keys})
-            await self._retry(ctx, row, members, blockers)
+        if retries(row, final):
+            await start_retry(ctx, row, members, {"timings": timings(ctx, row)})
         else:
             await ctx.apply(self._move(ctx, row, final, "every member resumed"))
-
-    async def _retry(self, ctx: Context, row: Row, members: list[Row], blockers: list[str]) -> None:
-        """Straggler policy: in one write, end this try, retire its blockers, and start the next try
-        under a new id (it prepares once the retirement is done)."""
-        next_id = next_try_id(row.id, row["try_number"] + 1)
-        episodes = [EpisodeId.from_capture_key(k) for k in blockers]
-        changes = {"timings": timings(ctx, row)}
-
-        async def write(tx: WriteTx) -> None:
-            await tx.transition(KIND, row.id, from_state=row.state, version=row.version, to_state="aborted",
-                                reason=f"every member resumed; retiring {len(blockers)} blockers, retry as {next_id}",
-                                changes=changes)
-            await request_retirement(tx, retirement_id(row.id), "retire", episodes=episodes)
-            await tx.create(KIND, next_id, reason=f"straggler retry {row['try_number'] + 1} of {row.id}",
-                            values={"checkpoint_dir": row["checkpoint_dir"], "max_tries": row["max_tries"],
-                                    "try_number": row["try_number"] + 1, "retry_of": row.id})
-            for m in members:
-                await tx.create(MEMBERS, member_id(next_id, m["participant"]), reason="member of the checkpoint",
-                                values={"checkpoint_id": next_id, "participant": m["participant"], "kind": m["kind"],
-                                        "url": m["url"], "stage": m["stage"]})
-        await ctx.write(write)
-
-
-def retirement_id(checkpoint_id: str) -> str:
-    """The retirement that retires a failed try's blockers."""
-    return f"stragglers-of-{checkpoint_id}"
-
-
-def next_try_id(checkpoint_id: str, try_number: int) -> str:
-    base = checkpoint_id.rsplit("-try", 1)[0] if "-try" in checkpoint_id else checkpoint_id
-    return f"{base}-try{try_number}"
 
 
 __all__ = ["MEMBERS", "STAGES", "CheckpointController", "CheckpointTimeouts", "PublishFailed", "member_id",

@@ -16,7 +16,7 @@ import sqlalchemy as sa
 from engine.config import Settings
 from engine.workflows.checkpoint.checkpoint import start_checkpoint
 from engine.runtime.service import Orchestrator
-from journal import WriteTx, models
+from journal import Journal, WriteTx, models
 from journal.writes import to_row
 from tests.support.fault_participant import FaultyParticipant
 from tests.support.reference_procs import TOKEN, ParticipantClient, Procs, Stack, start_stack
@@ -40,7 +40,10 @@ def settings(journal_url: str, participants: dict[str, str], prepare_timeout_s: 
 
 
 async def checkpoint_with(journal_url: str, stack: Stack, faulty: FaultyParticipant, directory: Path, *,
-                          prepare_timeout_s: float, before: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
+                          prepare_timeout_s: float, before: Any = None, until: str = "ck-f"
+                          ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Checkpoint ``ck-f`` of the stack and ``faulty``; the row of ``until`` (``ck-f`` or a retry of
+    it) once it ended, and that checkpoint's members by participant."""
     named = {f"{k}-0": stack.url(k) for k in KINDS} | {"faulty-0": faulty.url}
     orch = Orchestrator(settings(journal_url, named, prepare_timeout_s))
     await orch.start()
@@ -64,11 +67,11 @@ async def checkpoint_with(journal_url: str, stack: Stack, faulty: FaultyParticip
         end = time.monotonic() + 40
         while True:
             async with orch.journal.read() as conn:
-                row = (await conn.execute(sa.select(c).where(c.c.id == "ck-f"))).one()
-                rows = (await conn.execute(sa.select(m))).all()
-            if row.state in ("done", "aborted", "failed"):
+                row = (await conn.execute(sa.select(c).where(c.c.id == until))).first()
+                rows = (await conn.execute(sa.select(m).where(m.c.checkpoint_id == until))).all()
+            if row is not None and row.state in ("done", "aborted", "failed"):
                 return dict(row._mapping), {r.participant: dict(r._mapping) for r in rows}
-            assert time.monotonic() < end, f"checkpoint stuck in {row.state}"
+            assert time.monotonic() < end, f"checkpoint {until} stuck in {None if row is None else row.state}"
             await asyncio.sleep(0.05)
     finally:
         await orch.stop()
@@ -130,3 +133,27 @@ async def test_a_lease_that_expires_mid_checkpoint_aborts_it(
     assert members["environment-0"]["state"] == "resumed"
     for kind in KINDS:
         assert (await controller.status(stack.url(kind)))["phase"] == "idle"
+
+
+async def test_a_failed_export_resumes_everyone_and_prepares_again_under_a_new_id(
+        journal_url: str, stack: Stack, controller: ParticipantClient, tmp_path: Path) -> None:
+    faulty = await FaultyParticipant("export_failed", tmp_path / "faulty", checkpoint_root=tmp_path).start()
+    try:
+        row, members = await checkpoint_with(journal_url, stack, faulty, tmp_path / "ckpts", prepare_timeout_s=5.0,
+                                             until="ck-f-try2")
+        async with Journal.open(journal_url).read() as conn:
+            first = (await conn.execute(sa.select(models.checkpoints).where(models.checkpoints.c.id == "ck-f"))).one()
+            retirements = (await conn.execute(sa.select(models.retirements.c.id))).scalars().all()
+    finally:
+        await faulty.stop()
+    assert (first.state, first.retry_reason, first.blockers) == ("aborted", "export_failed", None), first
+    assert "faulty-0 did not commit: HTTP 409 export_failed" in first.detail, first.detail
+    assert faulty.failed_export == "ck-f"
+    # The retry prepared again under its own id and was published; nothing was retired.
+    assert (row["state"], row["retry_of"], row["try_number"]) == ("done", "ck-f", 2), (row["detail"], row)
+    assert (tmp_path / "ckpts" / "LATEST").read_text().strip() == "ck-f-try2"
+    assert all(m["state"] == "resumed" for m in members.values()) and len(members) == len(KINDS) + 1
+    assert retirements == []
+    for kind in KINDS:
+        status = await controller.status(stack.url(kind))
+        assert status["phase"] == "idle" and status["checkpoint_id"] is None, (kind, status)
