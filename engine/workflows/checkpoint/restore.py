@@ -25,7 +25,10 @@
   scoped episode) are retired on every member in retire order (environment;
   agent; model and resources), then every member is resumed, under a deadline
   of at least ``resume_timeout_s`` from the failure. ``detail`` stays the
-  restore error; cleanup failures are only appended to it.
+  restore error; cleanup failures are only appended to it. The write that ends
+  it moves each scoped rollout to ``pending`` as attempt N + 2, unpinned: it
+  starts over from its input (N + 1 is retired everywhere, so a retried
+  restore could continue nothing).
 
 Calls are outbox intents owned by the row at its state and version (no state
 here has a self-edge, so each member gets one call per path per state), so a
@@ -284,7 +287,7 @@ class RestoreController(BaseController):
             if cleanup:
                 detail += f" [cleanup failures: {'; '.join(cleanup)}]"
             await self._move(ctx, row, "failed", "rolled back: replacement attempts retired, everyone resumed",
-                             detail=detail)
+                             *await self._next_attempts(ctx, row, start_over=True), detail=detail)
             return Result()
         note = f"resumed with failures (their leases resume them): {'; '.join(cleanup)}" if cleanup else None
         await self._move(ctx, row, "done", "every participant restored and resumed", *await self._next_attempts(
@@ -312,13 +315,17 @@ class RestoreController(BaseController):
                     log.warning("restore %s: %s answered an invalid capture key %r", row.id, name, key)
         return out
 
-    async def _next_attempts(self, ctx: Context, row: Row) -> list[Transition]:
+    async def _next_attempts(self, ctx: Context, row: Row, *, start_over: bool = False) -> list[Transition]:
         """Each rollout row of a scoped rollout moved to ``pending`` as the attempt the restore
-        continues, sent (by the rollout controller) to the environment that restored it."""
-        wanted = {e["rollout_id"]: e["attempt"] for e in _episodes(row, next_attempt=True)}
+        continues, sent (by the rollout controller) to the environment that restored it.
+
+        ``start_over`` (the restore failed and was rolled back): as attempt N + 2 instead, to any
+        environment, run again from its input, since attempt N + 1 is now retired everywhere."""
+        step = 2 if start_over else 1
+        wanted = {e["rollout_id"]: e["attempt"] + step - 1 for e in _episodes(row, next_attempt=True)}
         if not wanted:
             return []
-        pinned = await self._restored_on(ctx, row)
+        pinned = {} if start_over else await self._restored_on(ctx, row)
         t = models.rollouts
         async with ctx.journal.read() as conn:
             found = (await conn.execute(sa.select(t).where(t.c.id.in_(sorted(wanted))))).all()
@@ -330,11 +337,17 @@ class RestoreController(BaseController):
             if r.state not in CONTINUED:
                 log.warning("rollout %s is %s; restore %s leaves it as it is", r.id, r.state, row.id)
                 continue
-            ops.append(Transition(ROLLOUTS, r.id, r.state, r.version, "pending",
-                                  f"restored from {row['checkpoint_id']} as attempt {attempt} on "
-                                  f"{pinned.get(r.id, 'any environment')} ({row.id})",
-                                  {"attempt": attempt, "checkpoint_id": row["checkpoint_id"], "run_call": None,
-                                   "restored_on": pinned.get(r.id), "environment": None}))
+            if start_over:
+                reason = (f"restore {row.id} of {row['checkpoint_id']} failed: started over from its input "
+                          f"as attempt {attempt}")
+                changes = {"attempt": attempt, "run_call": None, "restored_on": None, "environment": None,
+                           "detail": reason}
+            else:
+                reason = (f"restored from {row['checkpoint_id']} as attempt {attempt} on "
+                          f"{pinned.get(r.id, 'any environment')} ({row.id})")
+                changes = {"attempt": attempt, "checkpoint_id": row["checkpoint_id"], "run_call": None,
+                           "restored_on": pinned.get(r.id), "environment": None}
+            ops.append(Transition(ROLLOUTS, r.id, r.state, r.version, "pending", reason[:300], changes))
         return ops
 
 

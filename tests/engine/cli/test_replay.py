@@ -170,10 +170,9 @@ async def test_replay_after_the_orchestrator_is_killed_mid_checkpoint(
     assert all(s["epoch"] >= 2 for s in ck["after"]) and ck["current_state"] == "done" and ck["terminal_now"]
     members = {k[1]: e for k, e in flight.items() if k[0] == "checkpoint_members"}
     assert set(members) == {f"ck-crash/{k}-0" for k in KINDS}
-    # The commit that moved the checkpoint to committing also sent the environment's commit (a
-    # decision and the calls it starts commit together); the others were still prepared.
-    assert {k: m["state"] for k, m in members.items()} == {
-        f"ck-crash/{k}-0": "committing" if k == "environment" else "prepared" for k in KINDS}, members
+    # The commit that moved the checkpoint to committing sent no call yet (the next look reads the
+    # scope from the journal and commits it everywhere at once): every member was still prepared.
+    assert {k: m["state"] for k, m in members.items()} == {f"ck-crash/{k}-0": "prepared" for k in KINDS}, members
     assert all(m["current_state"] == "resumed" for m in members.values()), members
     assert all(e["current_state"] in ("healthy",) for k, e in flight.items() if k[0] == "participants")
     assert not any(k[0] == "rpc_calls" and e["terminal_now"] is False for k, e in flight.items())

@@ -42,9 +42,12 @@ TURNS = 3
 TASKS = {f"r{i}": {"prompt": f"restore task {i}", "turns": TURNS} for i in range(3)}
 
 
-def orchestrator(journal_url: str, stack: Stack) -> Orchestrator:
-    return Orchestrator(settings(journal_url, stack, prepare_timeout_s=10),
-                        controllers=[RestoreController(RestoreSettings(restore_timeout_s=20, resume_timeout_s=10))])
+def orchestrator(journal_url: str, stack: Stack, max_in_flight: int | None = None) -> Orchestrator:
+    """An orchestrator on ``stack``; with ``max_in_flight``, its rollout controller holds dispatch
+    to that bound (0: none; a real controller, configured so)."""
+    held = [] if max_in_flight is None else [RolloutController(RolloutSettings(max_in_flight=max_in_flight))]
+    return Orchestrator(settings(journal_url, stack, prepare_timeout_s=10), controllers=[
+        RestoreController(RestoreSettings(restore_timeout_s=20, resume_timeout_s=10)), *held])
 
 
 async def start_episodes(c: ParticipantClient, stack: Stack) -> list[asyncio.Task[Any]]:
@@ -87,12 +90,13 @@ async def checkpoint_then_crash(journal_url: str, c: ParticipantClient, stack: S
     return old
 
 
-async def restore(journal_url: str, stack: Stack, directory: Path, restore_id: str
-                  ) -> tuple[dict[str, Any], Orchestrator]:
-    """Restore ``LATEST`` into ``stack`` through a second orchestrator on the same journal."""
+async def restore(journal_url: str, stack: Stack, directory: Path, restore_id: str, *,
+                  max_in_flight: int | None = None) -> tuple[dict[str, Any], Orchestrator]:
+    """Restore ``LATEST`` into ``stack`` through a second orchestrator on the same journal (its
+    rollout controller bounded to ``max_in_flight`` when given)."""
     checkpoint_id, scope = await asyncio.to_thread(resolve_checkpoint, str(directory))
     assert checkpoint_id == "ck-1" and sorted(scope) == sorted(TASKS), scope
-    orch = orchestrator(journal_url, stack)
+    orch = orchestrator(journal_url, stack, max_in_flight)
     await orch.start()
     await wait_healthy(orch, stack)  # discovery re-synced the new URLs
 
@@ -183,9 +187,7 @@ async def test_a_checkpoint_right_after_a_restore_keeps_every_restored_episode_o
     fresh = await start_stack(procs, dirs)
     # Dispatch held by an in-flight bound of zero (a real rollout controller, configured so): the
     # second checkpoint comes before any replacement is sent.
-    held = Orchestrator(settings(journal_url, fresh, prepare_timeout_s=10), controllers=[
-        RestoreController(RestoreSettings(restore_timeout_s=20, resume_timeout_s=10)),
-        RolloutController(RolloutSettings(max_in_flight=0))])
+    held = orchestrator(journal_url, fresh, max_in_flight=0)
     checkpoint_id, scope = await asyncio.to_thread(resolve_checkpoint, str(tmp_path / "ckpts"))
     await held.start()
     try:
@@ -242,7 +244,8 @@ async def test_a_restore_refused_by_one_participant_rolls_back_everywhere(
     corrupt_manifest(model_files, {}, "not json")
 
     fresh = await start_stack(procs, dirs)
-    row, orch = await restore(journal_url, fresh, tmp_path / "ckpts", "restore-2")
+    # Dispatch held (an in-flight bound of zero) until the rollback has been looked at.
+    row, orch = await restore(journal_url, fresh, tmp_path / "ckpts", "restore-2", max_in_flight=0)
     try:
         trail = [e["to_state"] for e in await events(orch, "restores", "restore-2")]
         rollouts = await table(orch, models.rollouts)
@@ -254,7 +257,9 @@ async def test_a_restore_refused_by_one_participant_rolls_back_everywhere(
     assert row["detail"].startswith("restore failed on 1 participant(s): model-0: HTTP 422 invalid_checkpoint_state")
     assert "cleanup" not in row["detail"], row["detail"]
     assert set(row["timings"]) == {"restoring", "rolling_back"}
-    assert {(r["state"], r["attempt"]) for r in rollouts.values()} == {("dispatched", 0)}  # untouched
+    # Attempt 1 is retired everywhere: each rollout starts over from its input as attempt 2, anywhere.
+    assert {(r["state"], r["attempt"], r["restored_on"]) for r in rollouts.values()} == {("pending", 2, None)}
+    assert all("failed: started over from its input as attempt 2" in r["detail"] for r in rollouts.values())
 
     # The replacement attempts were retired callers first, then everyone resumed (reverse stages).
     kind_of = {fresh.url(k): k for k in KINDS}
@@ -279,6 +284,21 @@ async def test_a_restore_refused_by_one_participant_rolls_back_everywhere(
         assert (status_code, reply["error"]["code"]) == (409, "stale_attempt"), reply
     fresh_run = await c.run(fresh.url("environment"), "after", {"prompt": "after the rollback", "turns": 1})
     assert fresh_run["attempt"] == 0 and len(fresh_run["actions"]) == 1
+
+    # Dispatch free: attempt 2 of each runs from its input, finishes once and is forgotten.
+    orch = orchestrator(journal_url, fresh)
+    await orch.start()
+    try:
+        for rid in TASKS:
+            await wait_terminal(orch, models.rollouts, rid, ("forgotten",))
+        rollouts = await table(orch, models.rollouts)
+    finally:
+        await orch.stop()
+    assert all(r["result"]["attempt"] == 2 and len(r["result"]["actions"]) == TURNS for r in rollouts.values())
+    ran = (await c.status(fresh.url("environment")))["executions"]
+    assert all(ran[f"{rid}-a2"] == dict.fromkeys(steps_of("environment", TURNS), 1) for rid in TASKS), ran
+    for kind in KINDS:
+        assert (await c.status(fresh.url(kind)))["retired_rollouts"] == 0, kind
 
 
 def test_resolve_checkpoint_names_the_path_of_what_is_missing_or_corrupt(tmp_path: Path) -> None:
