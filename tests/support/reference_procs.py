@@ -119,11 +119,12 @@ class Stack:
 
 
 async def start_stack(procs: Procs, dirs: dict[str, Path], *, env_delay: float = 0.0,
-                      model_delay: float = 0.0) -> Stack:
-    """Model and resources, then the agent (pointed at the model), then the environment."""
+                      model_delay: float = 0.0, resources_mode: str | None = None) -> Stack:
+    """Model and resources (in ``resources_mode`` when given: ``restart_only`` saves nothing, so
+    every rollout is a restart), then the agent (pointed at the model), then the environment."""
     model, resources = await asyncio.gather(
         procs.astart("model", dirs["model"], "--step-delay", str(model_delay)),
-        procs.astart("resources", dirs["resources"]))
+        procs.astart("resources", dirs["resources"], *(() if resources_mode is None else ("--mode", resources_mode))))
     agent = await procs.astart("agent", dirs["agent"], "--model", model.url)
     env = await procs.astart("environment", dirs["environment"], "--agent", agent.url,
                              "--resources", resources.url, "--step-delay", str(env_delay))
