@@ -12,10 +12,14 @@ A ``retirements`` row is one retire or forget request (:func:`request_retirement
 - ``running``: one stage at a time in :data:`RETIRE_ORDER` (environment, then
   agent, then model and resources; ``stage`` is the index, advanced with the
   ``running -> running`` self-edge, so each stage's calls are new intents).
-  Every healthy participant of the stage gets ``POST retire {checkpoint_id,
+  Every participant of the stage gets ``POST retire {checkpoint_id,
   deadline_ts, episode_ids}`` or ``POST forget {checkpoint_id, deadline_ts,
   rollout_ids}``; ``checkpoint_id`` is ``<op>-<12 hex of the row id>`` and the
-  deadline is the stage's start plus ``retire_timeout_s``.
+  deadline is the stage's start plus ``retire_timeout_s``. A stage whose
+  participant is ``unreachable`` or not probed yet (``pending``: its kind is
+  not known, so it may be of the stage) waits for it, looking again every
+  ``poll_s``, instead of going on without it; still missing at the deadline,
+  the retirement ``failed``, naming each.
 - ``done`` once every stage succeeded (retire: ``retiring -> retired``; forget:
   ``finished``/``failed``/``retired -> forgotten``, in the same write); ``failed`` with every
   participant error of the first stage that had one. A failed retire leaves its
@@ -52,6 +56,8 @@ KIND = "retirements"
 ROLLOUTS = "rollouts"
 #: Callers before callees.
 RETIRE_ORDER: tuple[tuple[str, ...], ...] = (("environment",), ("agent",), ("model", "resources"))
+#: Participant states a stage waits out (a briefly unreachable server, one not probed yet).
+AWAITED = ("pending", "unreachable")
 #: Rollout states in which an attempt may still run, or the rollout will run again.
 LIVE_ROLLOUT = ("pending", "dispatched", "restart", "retiring", "ambiguous", "errored")
 Op = Literal["retire", "forget"]
@@ -216,7 +222,23 @@ class RetirementController(BaseController):
         shared = outbox.Body.of(body)
         ids = {m.name: control_intent(row, m.url, row["op"], shared, timeout).id for m in known}
         calls = await read_calls(ctx, ids.values())
-        members = [m for m in known if ids[m.name] in calls] or healthy(rows, kinds)
+        members = [m for m in known if ids[m.name] in calls]
+        if not members:
+            # A retire or forget that left out a participant would leave it running the attempt
+            # (or holding the mark): the stage waits for one that is unreachable or not probed yet
+            # (kind unknown: it may be of this stage), up to the stage's deadline, then fails.
+            waiting = [r for r in rows if r.state in AWAITED and (r["kind"] is None or r["kind"] in kinds)]
+            if waiting:
+                named = ", ".join(f"{r.id} is {r.state}" for r in waiting)
+                if ctx.clock.time() < deadline:
+                    log.info("retirement %s: stage %s waits (%s)", row.id, "+".join(kinds), named)
+                    return Result(requeue_after=self.settings.poll_s)
+                detail = (f"{row['op']} failed in stage {'+'.join(kinds)}: it waited "
+                          f"{self.settings.retire_timeout_s:g} s (checkpoint.retire_timeout_s) for {named}")
+                await ctx.apply(Transition(KIND, row.id, "running", row.version, "failed", detail[:200],
+                                           {"detail": detail}))
+                return Result()
+            members = healthy(rows, kinds)
         outcome = await fan_out(ctx, row, members, row["op"], body, deadline)
         if outcome.open:
             return Result(requeue_after=timeout)

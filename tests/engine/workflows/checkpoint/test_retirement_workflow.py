@@ -6,6 +6,7 @@ refused; a forget of the retired one lifts the marks."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from tests.support.workflows import (
     settings,
     state_dirs,
     table,
+    until,
     wait_healthy,
     wait_terminal,
 )
@@ -172,3 +174,71 @@ def test_request_retirement_validates_before_writing() -> None:
         with pytest.raises(InvalidRetirement) as err:
             asyncio.run(call(op, **kw))
         assert err.value.field == field and isinstance(err.value, ValueError), (op, kw)
+
+
+async def probed(orch: Orchestrator, name: str, state: str) -> None:
+    """Probe ``name`` now (as ``POST /v1/participants/probe`` does) until its row is ``state``."""
+    async def there() -> bool:
+        orch.handle("discovery").request_probe(name)
+        orch.reconciler.enqueue("participants", name)
+        await asyncio.sleep(0.3)
+        return bool((await table(orch, models.participants))[name]["state"] == state)
+    await until(there, 30)
+
+
+async def test_a_retire_waits_for_a_participant_that_is_briefly_unreachable(
+        journal_url: str, procs: Procs, controller: ParticipantClient, tmp_path: Path) -> None:
+    """The resources server is SIGSTOPped (its probe times out: unreachable) when a retire starts: the
+    model+resources stage waits for it instead of leaving it out, and once it is back (SIGCONT, a
+    probe) the stage runs and the retire is done everywhere. A participant that stays down fails
+    the retire at the stage's deadline, naming it."""
+    c = controller
+    stack = await start_stack(procs, state_dirs(tmp_path / "state"))
+    base = settings(journal_url, stack)
+    s = base.model_copy(update={"discovery": base.discovery.model_copy(update={"probe_timeout_s": 0.5,
+                                                                                "probe_tries": 1})})
+    orch = Orchestrator(s, controllers=[RetirementController(RetirementSettings(retire_timeout_s=30, poll_s=0.2))])
+    resources = stack.procs["resources"].proc
+    assert resources is not None
+    await orch.start()
+    try:
+        await wait_healthy(orch, stack)
+        resources.send_signal(signal.SIGSTOP)
+        await probed(orch, "resources-0", "unreachable")
+
+        async def request(tx: Any) -> None:
+            await request_retirement(tx, "rt-wait", "retire", episodes=[EpisodeId(rollout_id="r1", attempt=0)])
+        await orch.committer.run(request)
+
+        async def at_last_stage() -> bool:
+            return (await table(orch, models.retirements))["rt-wait"]["stage"] == 2
+        await until(at_last_stage, 30)
+        await asyncio.sleep(1.0)  # a few looks of the waiting stage
+        waiting = (await table(orch, models.retirements))["rt-wait"]
+        stages = await calls_by_stage(orch, stack, "rt-wait")
+        resources.send_signal(signal.SIGCONT)
+        await probed(orch, "resources-0", "healthy")
+        row = await wait_terminal(orch, models.retirements, "rt-wait", ("done", "failed"))
+        after = await calls_by_stage(orch, stack, "rt-wait")
+    finally:
+        resources.send_signal(signal.SIGCONT)
+        await orch.stop()
+    assert (waiting["state"], waiting["stage"]) == ("running", 2), waiting
+    assert [len(stage) for stage in stages] == [1, 1, 0], stages  # the stage sent nothing while it waited
+    assert row["state"] == "done", row
+    assert_callers_first(after, "retire")
+    for kind in KINDS:
+        assert (await c.status(stack.url(kind)))["retired_rollouts"] == 1, kind
+
+    # Down for good: the stage waits out its deadline, then the retire fails naming the participant.
+    stack.procs["resources"].kill()
+    orch = Orchestrator(s, controllers=[RetirementController(RetirementSettings(retire_timeout_s=2, poll_s=0.2))])
+    await orch.start()
+    try:
+        await probed(orch, "resources-0", "unreachable")
+        failed = await retirement(orch, "rt-down", "retire", episodes=[EpisodeId(rollout_id="r2", attempt=0)])
+    finally:
+        await orch.stop()
+    assert failed["state"] == "failed", failed
+    assert "stage model+resources: it waited 2 s (checkpoint.retire_timeout_s) for resources-0 is unreachable" \
+        in failed["detail"], failed["detail"]
