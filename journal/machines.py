@@ -178,7 +178,9 @@ ROLLOUTS = StateMachine.build(
         "ambiguous": ["retiring", "pending"],
         "errored": ["retiring", "pending"],
         "restart": ["finished", "retiring"],
-        "retiring": ["retired", "pending"],
+        # Self-edge on retiring: its rerun retirement failed (a participant down past the deadline)
+        # and is requested again under a new id.
+        "retiring": ["retiring", "retired", "pending"],
         # -> pending: run again as the next attempt; -> failed: the retry limit was reached.
         "retired": ["dispatched", "pending", "failed", "forgotten"],
         "finished": ["forgotten"],

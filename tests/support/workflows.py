@@ -146,6 +146,16 @@ async def run_checkpoint(orch: Orchestrator, stack: Stack, checkpoint_id: str, d
     return await wait_terminal(orch, models.checkpoints, checkpoint_id, ("done", "aborted", "failed"))
 
 
+async def probed(orch: Orchestrator, name: str, state: str) -> None:
+    """Probe participant ``name`` now (as ``POST /v1/participants/probe`` does) until its row is ``state``."""
+    async def there() -> bool:
+        orch.handle("discovery").request_probe(name)
+        orch.reconciler.enqueue("participants", name)
+        await asyncio.sleep(0.3)
+        return bool((await table(orch, models.participants))[name]["state"] == state)
+    await until(there, 30)
+
+
 async def add_rollouts(orch: Orchestrator, tasks: Mapping[str, Any]) -> None:
     """A ``dispatched`` rollout row (attempt 0) per task."""
     async def create(tx: Any) -> None:

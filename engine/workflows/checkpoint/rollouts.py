@@ -23,6 +23,9 @@ States (``journal.machines.ROLLOUTS``) and what :class:`RolloutController` does 
 - ``ambiguous`` and ``errored``: the attempt is retired everywhere (a ``retirements`` request
   ``rerun-…`` naming it, created in the same write that moves the row to ``retiring``), so nothing
   of it can still run or write, before the rollout goes on.
+- ``retiring``: if that retirement failed (a participant down past its deadline), it is requested
+  again as ``rerun-…-t<N>``, ``forget_retry_s`` after the failure (a ``retiring`` self-edge), so no
+  rollout is left retiring for good.
 - ``retired`` by its own ``rerun-…`` request → ``failed`` once ``failures`` reached
   ``max_failures`` (the reason names the last error), else → ``pending`` as attempt N + 1, run again
   from its input. A rollout retired by another request (an operator's ``POST
@@ -129,6 +132,9 @@ class RolloutController(BaseController):
         # Done rows waiting for the next forget batch (the same: resync covers them too).
         self._done: dict[str, None] = {}
         self._cooling: dict[str, float] = {}
+        # Rerun retirement id -> its rollout, for the rollout to look again when it fails (a
+        # wake-up only: after a restart the resync finds a row left retiring).
+        self._reruns: dict[str, str] = {}
         self._enqueue: Callable[[str, str], None] | None = None
 
     # -- wake-ups -----------------------------------------------------------------------------------
@@ -150,6 +156,10 @@ class RolloutController(BaseController):
             elif (c.kind == "retirements" and c.entity_id.startswith(FORGET_PREFIX)
                   and c.to_state in RETIREMENTS.terminal):
                 self._wake(1, self._done)  # the next batch takes every done row, up to forget_batch
+            elif c.kind == "retirements" and c.to_state in RETIREMENTS.terminal and c.entity_id in self._reruns:
+                rollout = self._reruns.pop(c.entity_id)
+                if c.to_state == "failed" and self._enqueue is not None:
+                    self._enqueue(KIND, rollout)
         self._wake(self.settings.max_in_flight if reopened else freed, self._parked)
 
     def _wake(self, n: int, parked: dict[str, None]) -> None:
@@ -173,6 +183,8 @@ class RolloutController(BaseController):
             return await self._retire(ctx, row)
         if row.state == "retired":
             return await self._next(ctx, row)
+        if row.state == "retiring":
+            return await self._retiring(ctx, row)
         if row.state in DONE:
             return await self._forget(ctx, row)
         return Result()
@@ -299,6 +311,35 @@ class RolloutController(BaseController):
                                 reason=f"attempt {attempt} is retired everywhere before the rollout goes on "
                                        f"({retirement})")
         await ctx.write(write)
+        self._reruns[retirement] = row.id
+        return Result()
+
+    async def _retiring(self, ctx: Context, row: Row) -> Result:
+        """A rerun retirement that failed (a participant down past its deadline) is requested again
+        as ``<rerun id>-t<N>``, ``forget_retry_s`` after it ended: a rollout is never left retiring."""
+        base = rerun_id(row.id, int(row["attempt"]))
+        q = models.retirements
+        async with ctx.journal.read() as conn:
+            tries = (await conn.execute(sa.select(q.c.id, q.c.state, q.c.updated_at).where(
+                sa.or_(q.c.id == base, q.c.id.like(f"{base}-t%"))))).all()
+        if not tries:
+            return Result()  # retired by someone else's request (an operator's): theirs to finish
+        number, last = max(((_try_number(base, t.id), t) for t in tries), key=lambda nt: nt[0])
+        if last.state != "failed":
+            self._reruns[last.id] = row.id
+            return Result()  # still running (its end moves the row, or wakes it if it fails), or done
+        wait = self.settings.forget_retry_s - (ctx.clock.now() - last.updated_at).total_seconds()
+        if wait > 0:
+            return Result(requeue_after=wait)
+        again = f"{base}-t{number + 1}"
+        attempt = int(row["attempt"])
+
+        async def write(tx: WriteTx) -> None:
+            await request_retirement(tx, again, "retire", episodes=[EpisodeId(rollout_id=row.id, attempt=attempt)])
+            await tx.transition(KIND, row.id, from_state="retiring", version=row.version, to_state="retiring",
+                                reason=f"retirement {last.id} failed; retiring attempt {attempt} again ({again})")
+        await ctx.write(write)
+        self._reruns[again] = row.id
         return Result()
 
     # -- finished, failed: forgotten everywhere, in batches ------------------------------------------
@@ -335,6 +376,11 @@ class RolloutController(BaseController):
                          f"input as attempt {attempt + 1}", attempt=attempt + 1, run_call=None, environment=None,
                          restored_on=None)
         return Result()
+
+
+def _try_number(base: str, retirement_id: str) -> int:
+    """1 for the rerun retirement ``base`` itself, N for ``<base>-tN``."""
+    return 1 if retirement_id == base else int(retirement_id.rsplit("-t", 1)[1])
 
 
 def _said(error: Any) -> str:

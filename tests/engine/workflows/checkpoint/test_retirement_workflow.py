@@ -24,6 +24,7 @@ from tests.support.workflows import (
     events,
     settings,
     state_dirs,
+    probed,
     table,
     until,
     wait_healthy,
@@ -174,16 +175,6 @@ def test_request_retirement_validates_before_writing() -> None:
         with pytest.raises(InvalidRetirement) as err:
             asyncio.run(call(op, **kw))
         assert err.value.field == field and isinstance(err.value, ValueError), (op, kw)
-
-
-async def probed(orch: Orchestrator, name: str, state: str) -> None:
-    """Probe ``name`` now (as ``POST /v1/participants/probe`` does) until its row is ``state``."""
-    async def there() -> bool:
-        orch.handle("discovery").request_probe(name)
-        orch.reconciler.enqueue("participants", name)
-        await asyncio.sleep(0.3)
-        return bool((await table(orch, models.participants))[name]["state"] == state)
-    await until(there, 30)
 
 
 async def test_a_retire_waits_for_a_participant_that_is_briefly_unreachable(

@@ -27,7 +27,8 @@ from engine.workflows.checkpoint.checkpoint import start_checkpoint
 from engine.workflows.checkpoint.rollout_tasks import check_task, submit_rollouts
 from journal import Journal, audit, models
 from tests.support.reference_procs import KINDS, TOKEN, ParticipantClient, Procs, Stack, start_stack
-from tests.support.workflows import audit_rows, controller, procs, table, until, urls, wait_healthy  # noqa: F401 - fixtures
+from tests.support.workflows import (audit_rows, controller, probed, procs, table, until, urls,  # noqa: F401
+                                     wait_healthy)
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[4]
@@ -340,3 +341,51 @@ async def test_a_checkpoint_waits_for_a_retirement_already_running(
     retired = [e["seq"] for e in trail if e["entity_id"] == "rt-held" and e["to_state"] in ("done", "failed")]
     started = [e["seq"] for e in trail if e["entity_id"] == "ck-after" and e["reason"] == "stage 0 starts"]
     assert len(retired) == 1 and len(started) == 1 and started[0] > retired[0], (retired, started)
+
+
+async def test_a_rerun_retirement_that_fails_is_requested_again_until_one_is_done(
+        journal_url: str, procs: Procs, controller: ParticipantClient, tmp_path: Path) -> None:
+    """The resources server is down (SIGSTOPped: its probe times out) when an errored attempt is
+    retired: each rerun retirement waits out its deadline and fails, the rollout stays ``retiring``
+    and its retirement is requested again (``-t2``, ``-t3``, …) until, the server back, one is done
+    everywhere and the rollout goes on to its end."""
+    stack = await start_stack(procs, {k: tmp_path / "state" / k for k in KINDS})
+    cfg = config(journal_url, stack, max_failures=1, forget_retry_s=0.5)
+    cfg["checkpoint"] = {**cfg["checkpoint"], "retire_timeout_s": 1.5}
+    cfg["discovery"] = {**cfg["discovery"], "probe_timeout_s": 0.5, "probe_tries": 1}
+    orch = Orchestrator(Settings.model_validate(cfg))
+    resources = stack.procs["resources"].proc
+    assert resources is not None
+    await orch.start()
+    try:
+        await wait_healthy(orch, stack)
+        resources.send_signal(signal.SIGSTOP)
+        await probed(orch, "resources-0", "unreachable")
+        await submit(orch, {"bad": {"prompt": "", "turns": 1}})  # refused with a typed error: errored
+
+        async def failed_twice() -> bool:
+            rows = (await table(orch, models.retirements)).values()
+            return sum(r["state"] == "failed" and r["id"].startswith("rerun-") for r in rows) >= 2
+        await until(failed_twice, 60)
+        resources.send_signal(signal.SIGCONT)
+        await probed(orch, "resources-0", "healthy")
+        rows = await settled(orch.journal, ["bad"])
+        reruns = sorted((r for r in (await table(orch, models.retirements)).values() if r["id"].startswith("rerun-")),
+                        key=lambda r: r["created_at"])
+        async with orch.journal.read() as conn:
+            history = [(e["from_state"], e["to_state"]) for e in await audit.query_events(
+                conn, audit.EventFilter(entity_kind="rollouts", entity_id="bad"))]
+        marks = {k: (await controller.status(stack.url(k)))["retired_rollouts"] for k in KINDS}
+        assert await audit.verify(orch.journal) == []
+    finally:
+        resources.send_signal(signal.SIGCONT)
+        await orch.stop()
+    assert (rows["bad"]["state"], rows["bad"]["attempt"]) == ("forgotten", 0), rows["bad"]
+    base = reruns[0]["id"]
+    assert [r["id"] for r in reruns] == [base, *(f"{base}-t{n}" for n in range(2, len(reruns) + 1))], reruns
+    assert [r["state"] for r in reruns[:-1]] == ["failed"] * (len(reruns) - 1) and reruns[-1]["state"] == "done"
+    assert all("resources-0 is unreachable" in r["detail"] for r in reruns[:-1]), reruns
+    assert history == [(None, "pending"), ("pending", "dispatched"), ("dispatched", "errored"),
+                       ("errored", "retiring"), *[("retiring", "retiring")] * (len(reruns) - 1),
+                       ("retiring", "retired"), ("retired", "failed"), ("failed", "forgotten")], history
+    assert marks == {k: 0 for k in KINDS}, marks
