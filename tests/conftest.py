@@ -145,6 +145,10 @@ LONGEST_FIRST = (
     "tests/engine/workflows/training/test_crash_points.py::"
     "test_a_trainer_killed_at_each_point_is_replaced_and_nothing_trains_twice[sqlite]",
     "tests/engine/demos/test_demo_training.py::test_the_rl_demo_learns_through_crashes_applying_every_step_once[sqlite]",
+    "tests/engine/workflows/checkpoint/test_rollouts_end_to_end.py::"
+    "test_two_hundred_rollouts_survive_two_crashes_of_everything_and_finish_once[postgresql]",
+    "tests/engine/workflows/checkpoint/test_rollouts_end_to_end.py::"
+    "test_two_hundred_rollouts_survive_two_crashes_of_everything_and_finish_once[sqlite]",
     "tests/engine/runtime/test_crash_recovery.py::test_every_crash_point_recovers[postgresql]",
     "tests/engine/runtime/test_crash_recovery.py::test_every_crash_point_recovers[sqlite]",
 )

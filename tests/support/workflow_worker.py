@@ -12,6 +12,9 @@
     restore ID DIR CHECKPOINT   restore CHECKPOINT from DIR as restore ID
     retire ID ROLLOUT ATTEMPT   retire ROLLOUT up to ATTEMPT as retirement ID
     forget ID ROLLOUT           forget ROLLOUT as retirement ID
+    rollouts TAG                submit the rollouts of :func:`rollout_tasks` (two that finish, one the
+                                environment refuses, ``rollouts.max_failures`` 2) and run until every
+                                one is ``forgotten``
 
 Waits for every named participant to be healthy, starts the workflow if its row does not exist,
 and runs until the row is terminal. ``TIDELOG_CRASH_AT`` (if set) kills it with SIGKILL right after
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from types import SimpleNamespace
 from typing import Any
 
 import sqlalchemy as sa
@@ -33,6 +37,7 @@ from engine.config import Settings
 from engine.workflows.checkpoint.checkpoint import start_checkpoint
 from engine.workflows.checkpoint.restore import resolve_checkpoint, start_restore
 from engine.workflows.checkpoint.retirement import request_retirement
+from engine.workflows.checkpoint.rollout_tasks import check_task, submit_rollouts
 from engine.runtime.service import Orchestrator, open_journal
 from journal import WriteTx, models
 from journal.writes import to_row
@@ -40,8 +45,25 @@ from tests.support.reference_procs import TOKEN
 from workers.protocol import EpisodeId
 
 TABLES = {"checkpoint": models.checkpoints, "restore": models.restores, "retire": models.retirements,
-          "forget": models.retirements}
+          "forget": models.retirements, "rollouts": models.rollouts}
 TERMINAL = ("done", "aborted", "failed")
+
+
+def rollout_tasks(tag: str) -> dict[str, dict[str, Any]]:
+    """The ``rollouts`` workflow's tasks: two of two turns, and one the environment refuses (an
+    empty prompt: a typed error every time)."""
+    return {f"{tag}-g0": {"prompt": f"{tag} 0", "turns": 2}, f"{tag}-g1": {"prompt": f"{tag} 1", "turns": 2},
+            f"{tag}-bad": {"prompt": "", "turns": 1}}
+
+
+async def rollouts_state(conn: Any, tag: str) -> Any:
+    """Like a workflow row's state: ``None`` before the submission, ``done`` once every one is forgotten."""
+    ids = sorted(rollout_tasks(tag))
+    t = models.rollouts
+    states = dict((await conn.execute(sa.select(t.c.id, t.c.state).where(t.c.id.in_(ids)))).all())
+    if not states:
+        return None
+    return SimpleNamespace(state="done" if all(states.get(i) == "forgotten" for i in ids) else "running")
 
 
 async def main(journal_url: str, workflow: str, args: list[str], participants: dict[str, str]) -> int:
@@ -54,6 +76,7 @@ async def main(journal_url: str, workflow: str, args: list[str], participants: d
         "discovery": {"probe_timeout_s": 2, "probe_tries": 2, "interval_s": 60},
         "checkpoint": {"prepare_timeout_s": 10, "commit_timeout_s": 20, "resume_timeout_s": 10,
                        "restore_timeout_s": 30, "retire_timeout_s": 20},
+        "rollouts": {"max_failures": 2, "forget_retry_s": 0.5},
         "participants": [{"name": n, "url": u} for n, u in participants.items()],
         "logging": {"level": "WARNING"},
     })
@@ -69,7 +92,8 @@ async def main(journal_url: str, workflow: str, args: list[str], participants: d
     try:
         for _ in range(1200):
             async with journal.read() as conn:
-                row = (await conn.execute(sa.select(t.c.state).where(t.c.id == entity_id))).first()
+                row = (await rollouts_state(conn, entity_id) if workflow == "rollouts" else
+                       (await conn.execute(sa.select(t.c.state).where(t.c.id == entity_id))).first())
                 healthy = (await conn.execute(sa.select(p).where(p.c.state == "healthy"))).all()
                 retired = None if pre is None else (await conn.execute(
                     sa.select(rt.c.state, rt.c.detail).where(rt.c.id == pre))).first()
@@ -102,6 +126,9 @@ async def start(tx: WriteTx, workflow: str, args: list[str], members: list[Any],
     elif workflow == "restore":
         checkpoint_id, scope = resolve_checkpoint(args[1], args[2])
         await start_restore(tx, args[0], args[1], checkpoint_id, scope)
+    elif workflow == "rollouts":
+        await submit_rollouts(tx, [check_task({"rollout_id": rid, "input": task}, i)
+                                   for i, (rid, task) in enumerate(rollout_tasks(args[0]).items())])
     elif workflow == "retire":
         await request_retirement(tx, args[0], "retire", episodes=[EpisodeId(rollout_id=args[1], attempt=int(args[2]))])
     else:
