@@ -11,8 +11,9 @@ temperature 1 with a seed from the conversation's digest), the resources server 
 action against a rule a policy can learn (``--task letter:s``: the action holds an ``s``). Each
 round:
 
-1. ``--episodes`` episodes of ``--turns`` turns run on the environment (``/run``); the verifier's
-   reward of an episode is the fraction of its actions that passed;
+1. ``--episodes`` episodes of ``--turns`` turns are submitted as rollouts (``POST /v1/rollouts``)
+   and the orchestrator runs them on the environment; the verifier's reward of an episode is the
+   fraction of its actions that passed;
 2. the round's batch — per episode its prompt, its actions as token ids (the completion the
    policy produced) and its reward, with ``scenario_step`` = the round — is submitted through
    the API (``POST /v1/jobs``);
@@ -149,6 +150,37 @@ class JobsApi:
                 raise TimeoutError(f"POST /v1/jobs: no leader took the job within {timeout:.0f} s")
             await asyncio.sleep(0.1)
 
+    async def rollouts(self, tasks: dict[str, dict[str, Any]], timeout: float = 90.0) -> dict[str, dict[str, Any]]:
+        """Submit ``tasks`` as rollouts (``POST /v1/rollouts``, again while no leader answers) and wait
+        until the orchestrator has run each to its end; rollout id -> its result (the ``/run`` reply)."""
+        end = time.monotonic() + timeout
+        body = {"tasks": [{"rollout_id": rid, "input": task} for rid, task in tasks.items()]}
+        while True:
+            try:
+                async with self.http.post(self.base + "/v1/rollouts", json=body, headers=self.auth) as resp:
+                    reply = await resp.json(content_type=None)
+                    if resp.status in (200, 201):
+                        break
+                    if resp.status != 503:
+                        raise RuntimeError(f"POST /v1/rollouts: HTTP {resp.status} {reply}")
+            except aiohttp.ClientError:
+                pass
+            if time.monotonic() > end:
+                raise TimeoutError(f"POST /v1/rollouts: no leader took the rollouts within {timeout:.0f} s")
+            await asyncio.sleep(0.1)
+        results: dict[str, dict[str, Any]] = {}
+        while len(results) < len(tasks):
+            for rid in tasks:
+                row = None if rid in results else await self.get(f"/v1/rollouts/{rid}")
+                if row is not None and row["state"] in ("finished", "forgotten"):
+                    results[rid] = dict(row["result"])
+                elif row is not None and row["state"] == "failed":
+                    raise RuntimeError(f"rollout {rid} failed: {row.get('detail')}")
+            if time.monotonic() > end:
+                raise TimeoutError(f"rollouts not finished within {timeout:.0f} s: {sorted(set(tasks) - set(results))}")
+            await asyncio.sleep(0.05)
+        return results
+
     async def until_complete_or_dead(self, job_id: str, serve: subprocess.Popen[bytes],
                                      timeout: float = 90.0) -> dict[str, Any] | None:
         """The job once ``COMPLETE``; ``None`` if the orchestrator died first."""
@@ -243,14 +275,12 @@ async def run(args: argparse.Namespace) -> int:
                 async with http.get(f"{fleet.url('model')}/ng-control/v1/checkpoint/status", headers=auth) as resp:
                     return dict((await resp.json()).get("generated_on", {}))
 
-            async def episode(r: int, k: int) -> dict[str, Any]:
-                task = {"prompt": f"round {r} task {k}", "turns": args.turns}
-                async with http.post(f"{fleet.url('environment')}/run",
-                                     json={"rollout_id": f"round-{r}-ep-{k}", "task": task}) as resp:
-                    reply: dict[str, Any] = await resp.json(content_type=None)
-                    if resp.status != 200:
-                        raise RuntimeError(f"/run round-{r}-ep-{k}: HTTP {resp.status} {reply}")
-                    return {**reply, "prompt": task["prompt"]}
+            async def episodes(r: int) -> list[dict[str, Any]]:
+                """The round's episodes, submitted as rollouts: the orchestrator dispatches them."""
+                tasks = {f"round-{r}-ep-{k}": {"prompt": f"round {r} task {k}", "turns": args.turns}
+                         for k in range(args.episodes)}
+                done = await api.rollouts(tasks)
+                return [{**done[rid], "prompt": task["prompt"]} for rid, task in tasks.items()]
 
             async def restart(after: str, crash_at: str | None) -> subprocess.Popen[bytes]:
                 code = serve.wait()
@@ -268,7 +298,7 @@ async def run(args: argparse.Namespace) -> int:
             for r in range(rounds):
                 t0 = time.perf_counter()
                 before = await generated_on()
-                results = await asyncio.gather(*(episode(r, k) for k in range(args.episodes)))
+                results = await episodes(r)
                 after = await generated_on()
                 used = {v: n - before.get(v, 0) for v, n in after.items() if n != before.get(v, 0)}
                 if set(used) != {expected}:
