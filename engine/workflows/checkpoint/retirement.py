@@ -43,12 +43,13 @@ import sqlalchemy as sa
 from pydantic import ValidationError
 
 from journal import Transition, WriteTx, models, outbox
-from journal.machines import CHECKPOINTS, RESTORES, RETIREMENTS
+from journal.machines import RETIREMENTS
 from journal.writes import Row, to_row
 from workers.protocol import EpisodeId
 
 from engine.runtime.reconciler import BaseController, Context, Result
 from engine.workflows.checkpoint.fanout import Member, control_intent, fan_out, healthy, participant_rows, read_calls
+from engine.workflows.checkpoint.rules import open_workflow
 
 log = logging.getLogger("tidelog.retirement")
 
@@ -138,27 +139,18 @@ class RetirementController(BaseController):
     # -- queued -----------------------------------------------------------------------------------
 
     async def _blocker(self, ctx: Context, row: Row) -> str | None:
-        c, r, q = models.checkpoints, models.restores, models.retirements
+        q = models.retirements
         async with ctx.journal.read() as conn:
-            # A straggler retry that has not started preparing holds no participant closed: it
-            # waits in that state for the retirement of its predecessor's blockers.
-            checkpoint = (await conn.execute(sa.select(c.c.id).where(
-                c.c.state.not_in(sorted(CHECKPOINTS.terminal)),
-                sa.not_(sa.and_(c.c.state == "preparing", c.c.deadline_ts.is_(None),
-                                c.c.retry_of.is_not(None)))).limit(1))).scalar()
-            restore = (await conn.execute(sa.select(r.c.id).where(
-                r.c.state.not_in(sorted(RESTORES.terminal))).limit(1))).scalar()
+            # Participants refuse retire and forget from a checkpoint's prepare to its resume and
+            # through a restore (a straggler retry not preparing yet holds no one closed).
+            held = await open_workflow(conn)
+            if held is not None:
+                return held
             earlier = (await conn.execute(sa.select(q.c.id).where(
                 q.c.state.not_in(sorted(RETIREMENTS.terminal)), q.c.id != row.id,
                 sa.or_(q.c.created_at < row["created_at"],
                        sa.and_(q.c.created_at == row["created_at"], q.c.id < row.id))).limit(1))).scalar()
-        if checkpoint is not None:
-            return f"checkpoint {checkpoint} is open"
-        if restore is not None:
-            return f"restore {restore} is open"
-        if earlier is not None:
-            return f"retirement {earlier} goes first"
-        return None
+        return None if earlier is None else f"retirement {earlier} goes first"
 
     async def _rollouts(self, ctx: Context, ids: Sequence[str]) -> list[Row]:
         if not ids:

@@ -56,6 +56,7 @@ from workers.protocol import EpisodeId, ErrorCode
 from engine.runtime.reconciler import BaseController, Context, Result
 from engine.workflows.checkpoint.forgetting import DONE, PREFIX as FORGET_PREFIX, ForgetWaits, request_forget_batch
 from engine.workflows.checkpoint.retirement import request_retirement
+from engine.workflows.checkpoint.rules import open_workflow
 
 log = logging.getLogger("tidelog.rollouts")
 
@@ -101,23 +102,6 @@ def rerun_id(rollout_id: str, attempt: int) -> str:
     """The id of the retirement that retires ``attempt`` of ``rollout_id`` before the next one."""
     digest = hashlib.sha256(f"{rollout_id}\x1f{attempt}".encode()).hexdigest()[:24]
     return f"rerun-{digest}"
-
-
-async def open_workflow(conn: Any) -> str | None:
-    """The checkpoint or restore that holds dispatch paused, described; ``None`` when none is open.
-
-    A straggler retry that has not started preparing holds no participant closed (as the
-    retirement workflow counts it), so it does not pause dispatch either."""
-    c, r = models.checkpoints, models.restores
-    checkpoint = (await conn.execute(sa.select(c.c.id).where(
-        c.c.state.not_in(sorted(CHECKPOINTS.terminal)),
-        sa.not_(sa.and_(c.c.state == "preparing", c.c.deadline_ts.is_(None), c.c.retry_of.is_not(None))))
-        .limit(1))).scalar()
-    if checkpoint is not None:
-        return f"checkpoint {checkpoint} is open"
-    restore = (await conn.execute(sa.select(r.c.id).where(r.c.state.not_in(sorted(RESTORES.terminal))).limit(1))
-               ).scalar()
-    return None if restore is None else f"restore {restore} is open"
 
 
 class RolloutController(BaseController):

@@ -7,12 +7,16 @@ raise typed exceptions (no HTTP here; the routes map them in :data:`engine.workf
 - **membership fails closed**: a checkpoint covers every configured participant, so one that is
   not healthy refuses it (:func:`checkpoint_members`); a restore goes into exactly the
   participants the checkpoint holds, by name and kind, each healthy (:func:`restore_members`);
+- **participants held closed**: from a checkpoint's prepare to its resume, and through a restore,
+  no ``/run`` is sent and no retire or forget runs (:func:`open_workflow` says which holds them);
 - **abort**: an operator may abort a checkpoint that is preparing, prepared, committing or
   committed (:data:`ABORTABLE`, read from the machine's edges into ``aborting``); it then moves as
   the controller's own abort does, under a fresh resume deadline (:func:`abort_checkpoint`).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import sqlalchemy as sa
 
@@ -101,6 +105,23 @@ class NotAbortable(Exception):
                          f"{', '.join(ABORTABLE)} can be aborted")
 
 
+async def open_workflow(conn: Any) -> str | None:
+    """The checkpoint or restore that holds dispatch paused, described; ``None`` when none is open.
+
+    A straggler retry that has not started preparing holds no participant closed (as the
+    retirement workflow counts it), so it does not pause dispatch either."""
+    c, r = models.checkpoints, models.restores
+    checkpoint = (await conn.execute(sa.select(c.c.id).where(
+        c.c.state.not_in(sorted(CHECKPOINTS.terminal)),
+        sa.not_(sa.and_(c.c.state == "preparing", c.c.deadline_ts.is_(None), c.c.retry_of.is_not(None))))
+        .limit(1))).scalar()
+    if checkpoint is not None:
+        return f"checkpoint {checkpoint} is open"
+    restore = (await conn.execute(sa.select(r.c.id).where(r.c.state.not_in(sorted(RESTORES.terminal))).limit(1))
+               ).scalar()
+    return None if restore is None else f"restore {restore} is open"
+
+
 async def refuse_while_open(tx: WriteTx) -> None:
     """Raise :class:`WorkflowOpen` naming the oldest open checkpoint, else the oldest open restore."""
     for table, machine in ((models.checkpoints, CHECKPOINTS), (models.restores, RESTORES)):
@@ -132,4 +153,5 @@ async def abort_checkpoint(tx: WriteTx, checkpoint_id: str, *, reason: str | Non
 
 
 __all__ = ["ABORTABLE", "MembershipIncomplete", "MembershipMismatch", "NoSuchCheckpoint", "NotAbortable",
-           "WorkflowOpen", "abort_checkpoint", "checkpoint_members", "refuse_while_open", "restore_members"]
+           "WorkflowOpen", "abort_checkpoint", "checkpoint_members", "open_workflow", "refuse_while_open",
+           "restore_members"]
