@@ -84,7 +84,12 @@ class RolloutSettings:
 
 
 class Parked(Exception):
-    """No slot for a dispatch now; says why (the row waits, parked)."""
+    """No slot for a dispatch now; says why (the row waits, parked). ``after``: the seconds until
+    a slot may free by itself (an environment's cooldown ends), for the row to look again then."""
+
+    def __init__(self, why: str, after: float | None = None) -> None:
+        super().__init__(why)
+        self.after = after
 
 
 @dataclass(frozen=True)
@@ -184,7 +189,12 @@ class RolloutController(BaseController):
         p, t = models.participants, models.rollouts
         envs = (await conn.execute(sa.select(p.c.id, p.c.url).where(
             p.c.state == "healthy", p.c.kind == "environment").order_by(p.c.id))).all()
-        envs = [e for e in envs if self._cooling.get(e.id, 0.0) <= now and (pinned is None or e.id == pinned)]
+        envs = [e for e in envs if pinned is None or e.id == pinned]
+        cooling = [self._cooling[e.id] for e in envs if self._cooling.get(e.id, 0.0) > now]
+        envs = [e for e in envs if self._cooling.get(e.id, 0.0) <= now]
+        if not envs and cooling:
+            raise Parked("every environment server that could take it refused an attempt just now",
+                         after=min(cooling) - now)
         if not envs:
             raise Parked("no healthy environment server" if pinned is None else
                          f"environment {pinned}, which holds the restored attempt, is not healthy")
@@ -209,10 +219,10 @@ class RolloutController(BaseController):
             .order_by(v.c.sequence.desc()).limit(1))).scalar()
         return head
 
-    def _park(self, row: Row, why: str) -> Result:
+    def _park(self, row: Row, why: Parked) -> Result:
         log.debug("rollout %s waits: %s", row.id, why)
         self._parked[row.id] = None
-        return Result()
+        return Result() if why.after is None else Result(requeue_after=why.after)
 
     async def _dispatch(self, ctx: Context, row: Row) -> Result:
         now = ctx.clock.time()
@@ -220,7 +230,7 @@ class RolloutController(BaseController):
             async with ctx.journal.read() as conn:
                 await self._slot(conn, now, row["restored_on"])  # a cheap look first: most parked rows stop here
         except Parked as exc:
-            return self._park(row, str(exc))
+            return self._park(row, exc)
         attempt = int(row["attempt"])
 
         async def write(tx: WriteTx) -> None:
@@ -238,7 +248,7 @@ class RolloutController(BaseController):
         try:
             await ctx.write(write)
         except Parked as exc:
-            return self._park(row, str(exc))
+            return self._park(row, exc)
         return Result()
 
     # -- dispatched: the /run's outcome -------------------------------------------------------------
@@ -263,7 +273,9 @@ class RolloutController(BaseController):
         elif found.state == "failed":
             error = found.error if isinstance(found.error, Mapping) else {}
             if error.get("code") in NOT_STARTED or (error.get("type") == "TransportError" and not error.get("sent")):
-                if error.get("type") == "TransportError" and env is not None:
+                # Passed over for a moment (closed by a checkpoint of someone else's, or not
+                # answering): sending the attempt straight back would only be refused again.
+                if env is not None:
                     self._cooling[env] = ctx.clock.time() + COOLDOWN_S
                 await self._move(ctx, row, "pending", f"attempt {attempt} did not start on {env} "
                                  f"({_said(error)}); it is sent again", run_call=None, environment=None)

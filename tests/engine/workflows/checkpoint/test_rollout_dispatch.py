@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -389,3 +390,48 @@ async def test_a_rerun_retirement_that_fails_is_requested_again_until_one_is_don
                        ("errored", "retiring"), *[("retiring", "retiring")] * (len(reruns) - 1),
                        ("retiring", "retired"), ("retired", "failed"), ("failed", "forgotten")], history
     assert marks == {k: 0 for k in KINDS}, marks
+
+
+async def test_an_attempt_refused_before_it_started_goes_again_as_the_same_attempt(
+        journal_url: str, procs: Procs, controller: ParticipantClient, tmp_path: Path) -> None:
+    """The environment's admission is closed by a checkpoint the orchestrator does not know of (this
+    test prepares the environment itself, as another controller would): each ``/run`` is refused
+    ``checkpoint_parked`` before it starts, so the rollout goes back to ``pending`` as the same
+    attempt, no failure counted, and that environment is passed over for ``COOLDOWN_S`` before the
+    next try (no busy loop of refusals). Once the environment resumes, attempt 0 runs and finishes."""
+    from engine.workflows.checkpoint.rollouts import COOLDOWN_S
+    stack = await start_stack(procs, {k: tmp_path / "state" / k for k in KINDS})
+    orch = Orchestrator(Settings.model_validate(config(journal_url, stack)))
+    env = stack.url("environment")
+    await orch.start()
+    try:
+        await wait_healthy(orch, stack)
+        held = {"checkpoint_id": "foreign-1", "deadline_ts": time.time() + 60}
+        assert (await controller.ok(env, "prepare", held))["phase"] == "prepared"
+        await submit(orch, {"p0": {"prompt": "parked", "turns": 1}})
+
+        async def refused_twice() -> bool:
+            calls = [c for c in await run_calls(orch.journal) if c["state"] == "failed"]
+            return len(calls) >= 2
+        await until(refused_twice, 60)
+        await controller.ok(env, "resume", {"checkpoint_id": "foreign-1", "deadline_ts": time.time() + 30})
+        rows = await settled(orch.journal, ["p0"])
+        calls = sorted(await run_calls(orch.journal), key=lambda c: c["created_at"])
+        async with orch.journal.read() as conn:
+            events = await audit.query_events(conn, audit.EventFilter(entity_kind="rollouts", entity_id="p0"))
+    finally:
+        await orch.stop()
+    assert (rows["p0"]["attempt"], rows["p0"]["failures"]) == (0, 0), rows["p0"]
+    assert rows["p0"]["result"]["attempt"] == 0
+    refused, last = calls[:-1], calls[-1]
+    assert len(refused) >= 2 and all(c["error"]["code"] == "checkpoint_parked" for c in refused), refused
+    assert last["state"] == "succeeded" and {c["body"]["rollout_id"] for c in calls} == {"p0"}
+    moves = [(e["from_state"], e["to_state"], e["ts"]) for e in events]
+    assert [m[:2] for m in moves[-4:]] == [("dispatched", "pending"), ("pending", "dispatched"),
+                                           ("dispatched", "finished"), ("finished", "forgotten")], moves
+    assert all(m[:2] in ((None, "pending"), ("pending", "dispatched"), ("dispatched", "pending"))
+               for m in moves[:-2]), moves
+    # Each try after a refusal waited out the environment's cooldown (the journal's own clock).
+    for back, again in zip(moves, moves[1:]):
+        if back[:2] == ("dispatched", "pending") and again[:2] == ("pending", "dispatched"):
+            assert (again[2] - back[2]).total_seconds() >= COOLDOWN_S - 0.05, (back, again)
