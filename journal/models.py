@@ -145,7 +145,8 @@ checkpoints = sa.Table(
     sa.Column("scope", JSONValue(), nullable=True),
     sa.Column("restarts", JSONValue(), nullable=True),
     # What the checkpoint continues, as the journal's rollouts stood once it was committed everywhere:
-    # {"continued": [capture keys a restore continues], "not_dispatched": [rollout ids]}.
+    # {"continued": [capture keys a restore continues], "not_dispatched": [up to 10,000 rollout ids],
+    #  "not_dispatched_count": n}.
     sa.Column("rollouts", JSONValue(), nullable=True),
     # Why an aborted try is tried again without blockers: "export_failed" (null otherwise).
     sa.Column("retry_reason", sa.String(32), nullable=True),

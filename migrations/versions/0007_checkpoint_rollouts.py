@@ -1,8 +1,9 @@
 """A checkpoint records the rollouts it continues, and why a try without blockers is tried again.
 
 New columns of ``checkpoints``: ``rollouts`` (JSON, null until the checkpoint is committed
-everywhere): ``{"continued": [capture keys a restore continues], "not_dispatched": [rollout ids]}``,
-read from the journal's rollouts once every member committed the scope (docs/rollouts.md);
+everywhere): ``{"continued": [capture keys a restore continues], "not_dispatched": [up to 10,000
+rollout ids], "not_dispatched_count": n}``, read from the journal's rollouts once every member
+committed the scope (docs/rollouts.md);
 ``retry_reason`` (``export_failed`` when a member's export failed: the try is aborted and prepared
 again under a new id; null otherwise).
 

@@ -455,9 +455,9 @@ class CheckpointController(BaseController):
             rollouts = await rollout_set(conn, row["scope"])
         if outstanding:  # past the deadline: not continued; after a crash they are retired and rerun
             log.warning("checkpoint %s: no /run reply by the commit deadline for %s", row.id, outstanding[:5])
-            rollouts = RolloutSet(sorted(set(rollouts.continued) - set(outstanding)), rollouts.not_dispatched)
-        ops.append(self._move(ctx, row, "committed", "committed everywhere",
-                              rollouts={"continued": rollouts.continued, "not_dispatched": rollouts.not_dispatched}))
+            rollouts = RolloutSet(sorted(set(rollouts.continued) - set(outstanding)), rollouts.not_dispatched,
+                                  rollouts.not_dispatched_count)
+        ops.append(self._move(ctx, row, "committed", "committed everywhere", rollouts=rollouts.as_row()))
         await self._write(ctx, row, members, ops)
         return Result()
 
@@ -491,8 +491,7 @@ class CheckpointController(BaseController):
         """
         members = await self._members(ctx, row.id, full=True)
         root = Path(row["checkpoint_dir"])
-        kept = row["rollouts"] or {"continued": row["scope"], "not_dispatched": []}
-        continued = RolloutSet(kept["continued"], kept["not_dispatched"])
+        continued = RolloutSet.from_row(row["rollouts"] or {"continued": row["scope"], "not_dispatched": []})
         # "scope" is what a restore continues; "committed_scope" what every member committed.
         manifest = {"checkpoint_id": row.id, "scope": continued.continued, "committed_scope": row["scope"],
                     "restarts": row["restarts"], "rollouts": continued.as_json(),

@@ -62,16 +62,34 @@ async def unsettled_runs(conn: Any, keys: Iterable[str]) -> list[str]:
     return sorted(out)
 
 
+#: Most not-dispatched rollout ids a checkpoint lists (oldest first; the count is always exact), so
+#: a dataset of millions submitted ahead keeps the manifest far under the size a restore reads.
+NOT_DISPATCHED_LISTED = 10_000
+
+
 @dataclass(frozen=True)
 class RolloutSet:
-    """What a checkpoint continues (capture keys) and what it holds not yet dispatched (ids)."""
+    """What a checkpoint continues (capture keys) and what was not dispatched yet (the count, and
+    the ids of up to :data:`NOT_DISPATCHED_LISTED` of them, oldest first)."""
 
     continued: list[str]
     not_dispatched: list[str]
+    not_dispatched_count: int = 0
 
     def as_json(self) -> dict[str, Any]:
         return {"continued": [EpisodeId.from_capture_key(k).model_dump() for k in self.continued],
-                "not_dispatched": self.not_dispatched}
+                "not_dispatched": self.not_dispatched,
+                "not_dispatched_count": max(self.not_dispatched_count, len(self.not_dispatched))}
+
+    def as_row(self) -> dict[str, Any]:
+        """The ``checkpoints.rollouts`` value (capture keys, as :meth:`from_row` reads them back)."""
+        return {"continued": self.continued, "not_dispatched": self.not_dispatched,
+                "not_dispatched_count": max(self.not_dispatched_count, len(self.not_dispatched))}
+
+    @classmethod
+    def from_row(cls, value: dict[str, Any]) -> RolloutSet:
+        return cls(list(value["continued"]), list(value["not_dispatched"]),
+                   int(value.get("not_dispatched_count", len(value["not_dispatched"]))))
 
 
 async def rollout_set(conn: Any, scope: Sequence[str]) -> RolloutSet:
@@ -93,9 +111,12 @@ async def rollout_set(conn: Any, scope: Sequence[str]) -> RolloutSet:
                 continued.append(wanted[r.id].capture_key)
     # A scoped episode with no row at all (a caller's own, recorded by nobody) stays continued.
     continued += [e.capture_key for rid, e in wanted.items() if rid not in seen]
-    pending = (await conn.execute(sa.select(t.c.id).where(t.c.state == "pending", t.c.restored_on.is_(None))
-                                  .order_by(t.c.created_at, t.c.id))).scalars().all()
-    return RolloutSet(sorted(continued), list(pending))
+    waiting = sa.and_(t.c.state == "pending", t.c.restored_on.is_(None))
+    pending = (await conn.execute(sa.select(t.c.id).where(waiting).order_by(t.c.created_at, t.c.id)
+                                  .limit(NOT_DISPATCHED_LISTED))).scalars().all()
+    count = len(pending) if len(pending) < NOT_DISPATCHED_LISTED else int(
+        (await conn.execute(sa.select(sa.func.count()).select_from(t).where(waiting))).scalar_one())
+    return RolloutSet(sorted(continued), list(pending), count)
 
 
-__all__ = ["IN_FLIGHT", "RolloutSet", "journal_scope", "rollout_set", "unsettled_runs"]
+__all__ = ["IN_FLIGHT", "NOT_DISPATCHED_LISTED", "RolloutSet", "journal_scope", "rollout_set", "unsettled_runs"]

@@ -102,7 +102,7 @@ async def test_a_checkpoint_mid_episode_is_published_and_everyone_resumed(
     # Every member committed the journal's scope; the environment exported the three live episodes.
     assert published["committed_scope"] == published["scope"] == ["r0", "r1", "r2", "r3"]
     assert published["rollouts"] == {"continued": [{"rollout_id": f"r{i}", "attempt": 0} for i in range(4)],
-                                     "not_dispatched": []}
+                                     "not_dispatched": [], "not_dispatched_count": 0}
     assert members["ck-1/environment-0"]["episode_ids"] == ["r0", "r1", "r2"]
     assert all(m["state"] == "resumed" for m in members.values())
     assert all(m["manifest"]["checkpoint_id"] == "ck-1" for m in members.values())
