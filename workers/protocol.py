@@ -271,6 +271,8 @@ class StatusReply(_Reply):
     retired_rollouts: int = Field(default=0, ge=0)
     #: The highest orchestrator epoch seen, per lineage (``""`` for calls that name none).
     epochs: dict[str, int] = Field(default_factory=dict)
+    #: Requests refused ``stale_epoch`` since this process started (an old leader still calling).
+    stale_epochs_refused: int = Field(default=0, ge=0)
     report: PrepareReport | None = None
 
 

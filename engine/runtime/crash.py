@@ -8,6 +8,12 @@ workflow's). When ``TIDELOG_CRASH_AT`` names one of them (optionally
 ``NAME@N`` for its N-th occurrence), the process sends itself SIGKILL at that
 point — after the commit is durable, before anything else happens. Unarmed,
 the hook costs one dictionary lookup per commit.
+
+:func:`pause_point` is the same for a pause instead of a crash: ``TIDELOG_PAUSE_AT=send:<path>``
+stops the process (SIGSTOP) right before the dispatcher sends its first call to ``<path>``, after
+it checked its lease, as a GC pause or a SIGSTOP at that moment would: a test then lets another
+orchestrator take over and sends SIGCONT, and the old leader's call reaches the participants with
+its old epoch.
 """
 
 from __future__ import annotations
@@ -22,6 +28,20 @@ from journal import Committed, StateMachine
 from engine.runtime import workflow
 
 ENV = "TIDELOG_CRASH_AT"
+#: ``send:<path>``: the dispatcher stops this process (SIGSTOP) right before it sends the first call
+#: to ``<path>``, after its own lease check: a leader paused mid-send, for the participants' fence.
+PAUSE_ENV = "TIDELOG_PAUSE_AT"
+_paused: set[str] = set()
+
+
+def pause_point(name: str) -> None:
+    """SIGSTOP this process the first time it reaches ``name`` if ``TIDELOG_PAUSE_AT`` names it
+    (unset: one environment lookup). Whoever sent the SIGCONT sees it go on from here."""
+    if os.environ.get(PAUSE_ENV) == name and name not in _paused:
+        _paused.add(name)
+        sys.stderr.write(f"tidelog: pause point {name} reached\n")
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def hook_name(c: Committed) -> str:

@@ -44,6 +44,7 @@ from journal import Fence, Journal, LeaseLost, StaleRow, Transition, outbox
 from journal.writes import Row
 
 from engine.runtime.clock import Clock
+from engine.runtime.crash import pause_point
 from engine.runtime.committer import GroupCommitter, NotLeader
 from engine.runtime.metrics import Metrics
 from engine.runtime.rpc import RemoteError, RpcClient, RpcError, TransportError
@@ -263,6 +264,9 @@ class Dispatcher:
                 # Lease gone between claim and send: leave it inflight for the next leader.
                 log.warning("not sending rpc %s: lease no longer held", row.id[:12])
                 return
+            # A pause here (tests: TIDELOG_PAUSE_AT) outlives the lease check just made: the
+            # participants' epoch fence is what refuses the call then.
+            pause_point(f"send:{row['path']}")
             started = time.perf_counter()
             try:
                 content = None if row["body_id"] is None else await self._content(row["body_id"])

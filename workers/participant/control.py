@@ -199,6 +199,7 @@ class ControlPlane:
         return StatusReply(kind=self.participant.kind, instance=self.participant.instance, phase=self.phase,
                            checkpoint_id=self.checkpoint_id, lease_expires_at=self.lease_expires_at,
                            retired_rollouts=len(self.marks), epochs=self.marks.epochs(),
+                           stale_epochs_refused=self.marks.stale_epochs_refused,
                            report=self.participant.readiness(), **self.participant.status_extra())
 
     # -- prepare --------------------------------------------------------------------------------

@@ -45,6 +45,8 @@ class RetiredMarks:
                          "epoch INTEGER NOT NULL CHECK (epoch >= 0))")
         self._marks: dict[str, int] = dict(self._db.execute("SELECT rollout_id, attempt FROM marks"))
         self._epochs: dict[str, int] = dict(self._db.execute("SELECT lineage, epoch FROM fence"))
+        #: Requests refused for an older epoch since this process started (not durable: a count to watch).
+        self.stale_epochs_refused = 0
 
     def close(self) -> None:
         self._db.close()
@@ -104,6 +106,7 @@ class RetiredMarks:
         raise the fence."""
         highest = self._epochs.get(lineage)
         if highest is not None and epoch < highest:
+            self.stale_epochs_refused += 1
             raise ProtocolError(ErrorCode.STALE_EPOCH,
                                 f"epoch {epoch} is older than epoch {highest}, the highest this participant has "
                                 f"seen from this journal: a newer orchestrator leads")
