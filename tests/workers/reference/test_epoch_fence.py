@@ -61,6 +61,7 @@ async def test_an_older_epoch_is_refused_on_every_mutating_route_and_the_fence_s
         assert "epoch 4 is older than epoch 5" in reply["error"]["detail"]
     after = await controller.status(env.url)
     assert (after["retired_rollouts"], after["phase"], after["epochs"]) == (1, "idle", {LINE: 5})  # r1 still retired
+    assert after["stale_epochs_refused"] == 4  # counted, for an operator to see an old leader still calling
 
     # A caller without the token cannot raise the fence (nor pass it with an old epoch).
     status, _ = await send(env.url, control("forget"), {**FORGET, "deadline_ts": deadline()}, epoch=10**17,
@@ -91,7 +92,9 @@ async def test_an_older_epoch_is_refused_on_every_mutating_route_and_the_fence_s
     # Restarted on the same state, it still knows epoch 5; the new leader (6) goes through.
     env.kill()
     env = procs.start("environment", state, "--agent", "http://127.0.0.1:9", "--resources", "http://127.0.0.1:9")
-    assert (await controller.status(env.url))["epochs"] == {LINE: 5, other: 1}  # both remembered after SIGKILL
+    restarted = await controller.status(env.url)
+    assert restarted["epochs"] == {LINE: 5, other: 1}  # both remembered after SIGKILL
+    assert restarted["stale_epochs_refused"] == 0  # the count is this process's
     status, reply = await send(env.url, control("forget"), {**FORGET, "deadline_ts": deadline()}, epoch=4)
     assert (status, reply["error"]["code"]) == (409, "stale_epoch")
     status, reply = await send(env.url, control("forget"), {**FORGET, "deadline_ts": deadline()}, epoch=6)
