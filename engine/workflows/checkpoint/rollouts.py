@@ -124,6 +124,10 @@ class RolloutController(BaseController):
         # Rerun retirement id -> its rollout, for the rollout to look again when it fails (a
         # wake-up only: after a restart the resync finds a row left retiring).
         self._reruns: dict[str, str] = {}
+        # Bumped by every commit that wakes parked (dispatch) or done (forget) rows: a row that
+        # looked before such a commit and parks after it would miss its wake-up, so it looks again.
+        self._slot_wakes = 0
+        self._forget_wakes = 0
         self._enqueue: Callable[[str, str], None] | None = None
 
     # -- wake-ups -----------------------------------------------------------------------------------
@@ -144,11 +148,14 @@ class RolloutController(BaseController):
                 reopened = True
             elif (c.kind == "retirements" and c.entity_id.startswith(FORGET_PREFIX)
                   and c.to_state in RETIREMENTS.terminal):
+                self._forget_wakes += 1
                 self._wake(1, self._done)  # the next batch takes every done row, up to forget_batch
             elif c.kind == "retirements" and c.to_state in RETIREMENTS.terminal and c.entity_id in self._reruns:
                 rollout = self._reruns.pop(c.entity_id)
                 if c.to_state == "failed" and self._enqueue is not None:
                     self._enqueue(KIND, rollout)
+        if reopened or freed:
+            self._slot_wakes += 1
         self._wake(self.settings.max_in_flight if reopened else freed, self._parked)
 
     def _wake(self, n: int, parked: dict[str, None]) -> None:
@@ -219,18 +226,21 @@ class RolloutController(BaseController):
             .order_by(v.c.sequence.desc()).limit(1))).scalar()
         return head
 
-    def _park(self, row: Row, why: Parked) -> Result:
+    def _park(self, row: Row, why: Parked, wakes: int) -> Result:
+        if self._slot_wakes != wakes:
+            return Result(requeue_after=0.0)  # a slot may have freed while it looked: look again now
         log.debug("rollout %s waits: %s", row.id, why)
         self._parked[row.id] = None
         return Result() if why.after is None else Result(requeue_after=why.after)
 
     async def _dispatch(self, ctx: Context, row: Row) -> Result:
         now = ctx.clock.time()
+        wakes = self._slot_wakes
         try:
             async with ctx.journal.read() as conn:
                 await self._slot(conn, now, row["restored_on"])  # a cheap look first: most parked rows stop here
         except Parked as exc:
-            return self._park(row, exc)
+            return self._park(row, exc, wakes)
         attempt = int(row["attempt"])
 
         async def write(tx: WriteTx) -> None:
@@ -248,7 +258,7 @@ class RolloutController(BaseController):
         try:
             await ctx.write(write)
         except Parked as exc:
-            return self._park(row, exc)
+            return self._park(row, exc, wakes)
         return Result()
 
     # -- dispatched: the /run's outcome -------------------------------------------------------------
@@ -341,6 +351,8 @@ class RolloutController(BaseController):
     # -- finished, failed: forgotten everywhere, in batches ------------------------------------------
 
     async def _forget(self, ctx: Context, row: Row) -> Result:
+        wakes = self._forget_wakes
+
         async def write(tx: WriteTx) -> list[str]:
             return await request_forget_batch(tx, limit=self.settings.forget_batch,
                                               retry_s=self.settings.forget_retry_s)
@@ -349,10 +361,13 @@ class RolloutController(BaseController):
         except ForgetWaits as exc:
             if exc.after is not None:
                 return Result(requeue_after=exc.after)
-            self._done[row.id] = None
-            return Result()
-        if row.id not in named:
-            self._done[row.id] = None
+            return self._wait_for_batch(row, wakes)
+        return Result() if row.id in named else self._wait_for_batch(row, wakes)
+
+    def _wait_for_batch(self, row: Row, wakes: int) -> Result:
+        if self._forget_wakes != wakes:
+            return Result(requeue_after=0.0)  # the open batch ended while it looked: look again now
+        self._done[row.id] = None
         return Result()
 
     # -- retired: the next attempt, or the end --------------------------------------------------------

@@ -179,6 +179,9 @@ async def test_a_run_in_flight_when_the_orchestrator_dies_is_retired_and_run_aga
     # A probe that times out on a loaded machine marks the server unreachable until the next probe:
     # two seconds, not the shared config's minute (nothing is dispatched to an unreachable server).
     cfg["discovery"] = {**cfg["discovery"], "interval_s": 2}
+    # The rollouts are written beside it, not through its API: a leader sees another writer's rows
+    # at its next resync, every second here (30 s by default).
+    cfg["reconciler"] = {"resync_interval_s": 1}
     tasks = {f"k{i}": {"prompt": f"p{i}", "turns": 3} for i in range(3)}
     journal = Journal.open(journal_url)
     first = serve(cfg, tmp_path)
