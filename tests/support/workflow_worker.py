@@ -26,6 +26,7 @@ retirement a checkpoint waits for failed.
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from types import SimpleNamespace
 from typing import Any
@@ -74,7 +75,10 @@ async def main(journal_url: str, workflow: str, args: list[str], participants: d
         "dispatcher": {"poll_s": 0.2, "backoff_base_s": 0.05, "backoff_cap_s": 0.2},
         "control": {"token": TOKEN},
         "discovery": {"probe_timeout_s": 2, "probe_tries": 2, "interval_s": 60},
-        "checkpoint": {"prepare_timeout_s": 10, "commit_timeout_s": 20, "resume_timeout_s": 10,
+        # A test of a publish past the commit deadline shortens the prepare and commit deadlines.
+        "checkpoint": {"prepare_timeout_s": float(os.environ.get("TIDELOG_WORKER_PREPARE_TIMEOUT_S", "10")),
+                       "resume_timeout_s": 10,
+                       "commit_timeout_s": float(os.environ.get("TIDELOG_WORKER_COMMIT_TIMEOUT_S", "20")),
                        "restore_timeout_s": 30, "retire_timeout_s": 20},
         "rollouts": {"max_failures": 2, "forget_retry_s": 0.5},
         "participants": [{"name": n, "url": u} for n, u in participants.items()],

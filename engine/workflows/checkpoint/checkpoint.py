@@ -34,7 +34,9 @@ are the intents a reconcile of the new state would write).
 - ``committed`` → ``published``: ``<dir>/<id>/checkpoint.json`` (the members'
   manifests; ``scope``, the attempts a restore continues; ``committed_scope``;
   the restarts; the rollout set) and then ``<dir>/LATEST`` are written
-  atomically and durably, by the commit deadline. A publish that fails (a full
+  atomically and durably, by the commit deadline (a publish started with less
+  than ``PUBLISH_MIN_S`` left gets that long, and first renews every member's
+  lease to it: the leases count from the commit deadline). A publish that fails (a full
   disk, a read-only or unwritable directory, an I/O error) or is still running
   at the deadline: ``aborting``, the path and the OS error in ``detail``, with
   neither a checkpoint.json nor a changed ``LATEST`` left behind (errors a
@@ -500,6 +502,10 @@ class CheckpointController(BaseController):
         path = root / row.id / "checkpoint.json"
         work = Publication(path, json.dumps(manifest, indent=1, sort_keys=True).encode(), root / "LATEST", row.id)
         deadline = self._deadline(row, self.settings.commit_timeout_s, ctx.clock.time())
+        if deadline - ctx.clock.time() < PUBLISH_MIN_S:
+            # The publish may run past the commit deadline, which the members' leases count from
+            # (deadline + their grace): renew them first, to the publish's own bound.
+            await self._renew(ctx, row, members, ctx.clock.time() + PUBLISH_MIN_S + CALL_MARGIN_S)
         try:
             # On the checkpoint file pool, never the default executor (a hung write ties up only that pool).
             await confined.run(work.run, timeout=max(deadline - ctx.clock.time(), PUBLISH_MIN_S))
@@ -515,6 +521,19 @@ class CheckpointController(BaseController):
             published, self._move(ctx, _after(row, published), "resuming", "published",
                                   deadline=self.settings.resume_timeout_s)])
         return Result()
+
+    async def _renew(self, ctx: Context, row: Row, members: list[Row], until: float) -> None:
+        """``POST renew {checkpoint_id, deadline_ts: until}`` to every member, as intents of the row
+        in ``committed`` (the same calls again on a look at the same version). Not awaited: a
+        renew that fails leaves that member's lease as it was."""
+        shared = outbox.Body.of({"checkpoint_id": row.id, "deadline_ts": until})
+        calls = [(control_intent(row, m["url"], "renew", shared, max(until - ctx.clock.time(), 0.0) + CALL_MARGIN_S),
+                  f"renew {m['participant']} for {row.id}: publishing runs past the commit deadline")
+                 for m in members]
+
+        async def write(tx: WriteTx) -> list[Row]:
+            return await outbox.ensure_all(tx, calls, claim=ctx.claims)
+        ctx.send(await ctx.write(write))
 
     async def _publish_failed(self, ctx: Context, row: Row, members: list[Row], deadline: float,
                               failure: PublishFailed) -> Result:

@@ -21,6 +21,7 @@ import asyncio
 import json
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -217,6 +218,51 @@ async def test_every_checkpoint_crash_point_recovers(backend: str, request: pyte
         tags.append(f"t{n}")
     # Every published checkpoint restores (each one holds both live episodes: checked per run).
     assert await restore_every_checkpoint(backend, request, procs, tmp_path, tags) == [2] * len(tags)
+
+
+async def test_a_publish_after_the_commit_deadline_renews_every_lease_first(
+        backend: str, request: pytest.FixtureRequest, procs: Procs, controller: ParticipantClient,
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Killed right after the checkpoint was committed everywhere, the orchestrator is restarted past
+    the commit deadline, which the members' leases count from (deadline + 10 s of grace here): before
+    it publishes it renews every member's lease to the publish's own bound, then publishes and
+    resumes them."""
+    # Every prepare deadline falls before the commit deadline, so the leases count from the latter.
+    monkeypatch.setenv("TIDELOG_WORKER_PREPARE_TIMEOUT_S", "2")
+    monkeypatch.setenv("TIDELOG_WORKER_COMMIT_TIMEOUT_S", "2")
+    grace = ("--lease-grace-seconds", "10")
+    model, resources = await asyncio.gather(procs.astart("model", tmp_path / "m", *grace),
+                                            procs.astart("resources", tmp_path / "r", *grace))
+    agent = await procs.astart("agent", tmp_path / "a", "--model", model.url, *grace)
+    env = await procs.astart("environment", tmp_path / "e", "--agent", agent.url, "--resources", resources.url,
+                             *grace)
+    stack = Stack({"environment": env, "model": model, "agent": agent, "resources": resources})
+    url = await new_journal_url(backend, request, tmp_path / "late.db")
+    args = ["ck-late", str(tmp_path / "ckpts")]
+    first = await run_worker(url, stack, "checkpoint", args, "checkpoints:committing->committed")
+    journal = Journal.open(url)
+    try:
+        committed = await journal_row(journal, models.checkpoints, "ck-late")
+        leases = {k: (await controller.status(stack.url(k)))["lease_expires_at"] for k in KINDS}
+        wait = float(committed.deadline_ts) - time.time() + 0.5
+        await asyncio.sleep(max(wait, 0.0))  # the commit deadline has passed; the leases hold
+        second = await run_worker(url, stack, "checkpoint", args, None)
+        done = await journal_row(journal, models.checkpoints, "ck-late")
+        async with journal.read() as conn:
+            t = models.rpc_calls
+            renews = [dict(r._mapping) for r in (await conn.execute(sa.select(t).where(
+                t.c.entity_id == "ck-late", t.c.path.like("%/renew")))).all()]
+    finally:
+        await journal.dispose()
+    assert (first, second) == (-signal.SIGKILL, 0)
+    assert committed.state == "committed" and done.state == "done", (committed.state, done.state, done.detail)
+    deadline = float(committed.deadline_ts)
+    assert all(lease == pytest.approx(deadline + 10, abs=0.01) for lease in leases.values()), (deadline, leases)
+    assert sorted(c["target"] for c in renews) == sorted(stack.url(k) for k in KINDS), renews
+    assert all(c["state"] == "succeeded" and c["result"]["lease_expires_at"] > deadline + 10 for c in renews), renews
+    assert (tmp_path / "ckpts" / "LATEST").read_text().strip() == "ck-late"
+    for kind in KINDS:
+        assert (await controller.status(stack.url(kind)))["phase"] == "idle", kind
 
 
 # -- restore ----------------------------------------------------------------------------------------
