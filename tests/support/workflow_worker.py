@@ -9,7 +9,9 @@
                                 with ``rollouts=``, record those rollouts as dispatched (attempt 0,
                                 by the caller's own code: the test sends their /run) in the write
                                 that starts the checkpoint, since a checkpoint's scope is the journal's
-    restore ID DIR CHECKPOINT   restore CHECKPOINT from DIR as restore ID
+    restore ID DIR CHECKPOINT [rollouts=A,B,...]
+                                restore CHECKPOINT from DIR as restore ID (``rollouts=`` as for a
+                                checkpoint: recorded in the write that starts it)
     retire ID ROLLOUT ATTEMPT   retire ROLLOUT up to ATTEMPT as retirement ID
     forget ID ROLLOUT           forget ROLLOUT as retirement ID
     rollouts TAG                submit the rollouts of :func:`rollout_tasks` (two that finish, one the
@@ -122,10 +124,10 @@ async def main(journal_url: str, workflow: str, args: list[str], participants: d
 
 
 async def start(tx: WriteTx, workflow: str, args: list[str], members: list[Any], recorded: list[str]) -> None:
+    for rid in recorded:
+        await tx.create("rollouts", rid, reason="dispatched by the caller", state="dispatched",
+                        values={"attempt": 0, "task": {"prompt": f"recorded {rid}", "turns": 1}})
     if workflow == "checkpoint":
-        for rid in recorded:
-            await tx.create("rollouts", rid, reason="dispatched by the caller", state="dispatched",
-                            values={"attempt": 0})
         await start_checkpoint(tx, args[0], args[1], members, max_tries=1)
     elif workflow == "restore":
         checkpoint_id, scope = resolve_checkpoint(args[1], args[2])

@@ -9,7 +9,11 @@ machines, not picked by hand), restart it, and check the run ends as an uncrashe
   checkpoint (the uncrashed run's and every crashed one's) restores into fresh participants;
 - restore (into fresh participants, of a checkpoint published by an uncrashed run): done, and every
   continued episode finishes from its checkpointed boundary — no step run again or lost;
+- a failed restore (the model refuses its manifest): failed with that refusal, every participant
+  idle, the scoped rollouts started over as attempt 2;
 - retire: done, the retired attempt refused (``stale_attempt``) everywhere; forget: done, accepted again.
+
+And a publish restarted past the commit deadline renews every member's lease first.
 
 The reference participants are real processes that live through every orchestrator crash (a restore
 needs fresh ones, started per run); each run uses a fresh journal.
@@ -34,9 +38,11 @@ from engine.demos.checkpoint import all_steps, checkpointed_steps
 from engine.runtime.service import Orchestrator
 from journal import Journal, StateMachine, audit, machines, models
 from tests.engine.runtime.test_crash_recovery import new_journal_url
+from tests.support.checkpoints import corrupt_manifest
 from tests.support.reference_procs import ParticipantClient, Procs, Stack, start_stack
 from tests.support.workflows import audit_rows, rpc_calls, settings, wait_healthy, wait_terminal
 from tests.support.zygote import shared
+from workers.participant.storage import participant_dir
 from workers.protocol import EpisodeId
 
 KINDS = ("environment", "model", "agent", "resources")
@@ -313,6 +319,63 @@ async def test_every_restore_crash_point_recovers(backend: str, request: pytest.
     assert {"restores:created:restoring", "restores:restoring->resuming", "restores:resuming->done"} <= set(points)
     for n, point in enumerate(points):
         _, codes = await restore_run(f"t{n}", point)
+        assert codes == [-signal.SIGKILL, 0], f"{point}: the hook did not fire ({codes})"
+
+
+async def test_every_failed_restore_crash_point_recovers(backend: str, request: pytest.FixtureRequest,
+                                                         procs: Procs, controller: ParticipantClient,
+                                                         tmp_path: Path) -> None:
+    """A restore the model refuses (its manifest corrupted) rolls back everywhere; the write that
+    ends it starts the scoped rollouts over as attempt 2. Killed right after each commit of that
+    run (enumerated from the restore machine, and the rollouts' move in the same write), restarted,
+    it ends the same: failed with the model's refusal, every participant idle, the rollouts at
+    attempt 2 (or past it: the orchestrator runs them from their input), verify clean."""
+    source = await start_stack(procs, {k: tmp_path / "source" / k for k in KINDS}, env_delay=0.2)
+    tasks = {f"f{i}": {"prompt": f"f{i}", "turns": LIVE_TURNS} for i in range(2)}
+    runs = [asyncio.create_task(controller.post(source.url("environment"), "/run", {"rollout_id": r, "task": t}))
+            for r, t in tasks.items()]
+    await asyncio.sleep(0.5)
+    directory = tmp_path / "ckpts"
+    recorded = f"rollouts={','.join(tasks)}"
+    _, row, codes = await run_and_check(backend, request, tmp_path / "source.db", source, "checkpoint",
+                                        ["ck-src", str(directory), recorded], None, ["checkpoints"],
+                                        models.checkpoints)
+    assert codes == [0] and sorted(row.scope) == sorted(tasks), row.scope
+    source.kill()
+    for run in runs:
+        run.cancel()
+    corrupt_manifest(participant_dir(directory / "ck-src", "model", "model-0"), {}, "not json")
+
+    async def failed_run(tag: str, crash_at: str | None) -> tuple[set[str], list[int]]:
+        fresh = await start_stack(procs, {k: tmp_path / tag / k for k in KINDS})
+        try:
+            url = await new_journal_url(backend, request, tmp_path / f"{tag}.db")
+            codes = await crashed_then_recovered(url, fresh, "restore", [f"rs-{tag}", str(directory), "ck-src",
+                                                                        recorded], crash_at)
+            edges, row = await edges_of(url, ["restores", "rollouts"], models.restores, f"rs-{tag}")
+            journal = Journal.open(url)
+            try:
+                async with journal.read() as conn:
+                    attempts = dict((await conn.execute(sa.select(models.rollouts.c.id, models.rollouts.c.attempt)
+                                                        )).all())
+            finally:
+                await journal.dispose()
+            assert row.state == "failed" and "model-0: HTTP 422 invalid_checkpoint_state" in row.detail, (crash_at, row)
+            assert attempts == dict.fromkeys(tasks, 2), (crash_at, attempts)
+            for kind in KINDS:
+                status = await controller.status(fresh.url(kind))
+                assert (status["phase"], status.get("restored_pending", 0)) == ("idle", 0), (crash_at, kind, status)
+            return edges, codes
+        finally:
+            fresh.kill()
+
+    reached, codes = await failed_run("clean-f", None)
+    assert codes == [0]
+    points = targets(reached, [machines.RESTORES]) + [p for p in ("rollouts:dispatched->pending",) if p in reached]
+    assert {"restores:restoring->rolling_back", "restores:rolling_back->failed",
+            "rollouts:dispatched->pending"} <= set(points), points
+    for n, point in enumerate(points):
+        _, codes = await failed_run(f"f{n}", point)
         assert codes == [-signal.SIGKILL, 0], f"{point}: the hook did not fire ({codes})"
 
 
