@@ -90,8 +90,8 @@ class Context:
 class Controller(Protocol):
     """What the reconciler runs for one kind (the contract in this module's docstring).
 
-    ``waiting`` and ``on_commit`` are the two optional hooks; :class:`BaseController` gives both
-    their do-nothing default, so a controller subclasses it and overrides what it needs."""
+    ``waiting``, ``on_commit`` and ``attach`` are the optional hooks; :class:`BaseController` gives
+    each its do-nothing default, so a controller subclasses it and overrides what it needs."""
 
     kind: str
 
@@ -160,9 +160,7 @@ class Reconciler:
             raise ValueError(f"a controller for {controller.kind!r} is already registered")
         self.journal.kinds.get(controller.kind)  # the kind must exist
         self.controllers[controller.kind] = controller
-        attach = getattr(controller, "attach", None)
-        if attach is not None:
-            attach(self.enqueue)
+        controller.attach(self.enqueue)
 
     def enqueue(self, kind: str, entity_id: str) -> None:
         if kind in self.controllers:
