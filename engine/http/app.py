@@ -30,8 +30,8 @@ from aiohttp import web
 from journal import audit, lease
 from workers.http_limits import limits_middleware
 
-from engine.http.query import QueryError, entity_counts, event_json, parse_event_filter, single_values
-from engine.http.shell import Handler, bearer_matches, error, refuse_nul
+from engine.http.query import entity_counts, event_json, parse_event_filter, single_values
+from engine.http.shell import Handler, bearer_matches, error, refuse_nul, typed
 from engine.runtime.leader import LEASE_NAME
 from engine.runtime.service import Orchestrator
 
@@ -79,10 +79,7 @@ def make_app(orch: Orchestrator) -> web.Application:
         return web.json_response(await status_snapshot(orch))
 
     async def events(request: web.Request) -> web.Response:
-        try:
-            flt = parse_event_filter(single_values(request.query), orch.journal.kinds)
-        except QueryError as exc:
-            return error(400, "invalid_query", str(exc))
+        flt = parse_event_filter(single_values(request.query), orch.journal.kinds)  # QueryError: typed answers 400
         async with orch.journal.read() as conn:
             page = await audit.query_events(conn, flt)
         nxt = page[-1]["seq"] if len(page) == flt.limit else None
@@ -94,7 +91,7 @@ def make_app(orch: Orchestrator) -> web.Application:
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/status", status)
-    app.router.add_get("/v1/events", events)
+    app.router.add_get("/v1/events", typed(events))
     for workflow in orch.workflows:
         if workflow.routes is not None:
             workflow.routes(app, orch, mutating)

@@ -95,6 +95,13 @@ def single_values(query: Any) -> dict[str, str]:
     return out
 
 
+def no_query(query: Any) -> None:
+    """Refuse every parameter of ``query``: for a route that takes none (one given twice is refused as
+    such, by :func:`single_values`)."""
+    for name, value in single_values(query).items():
+        raise QueryError(name, value, "unknown parameter (this route takes none)")
+
+
 def parse_list_query(q: dict[str, str], kind: str, kinds: KindRegistry) -> tuple[str | None, int, str | None]:
     for name in q:
         if name not in LIST_PARAMS:
@@ -121,4 +128,4 @@ async def entity_counts(journal: Any) -> dict[str, dict[str, int]]:
 
 
 __all__ = ["EVENT_PARAMS", "LEASE_STATES", "LIST_PARAMS", "QueryError", "entity_counts", "event_json", "int_param",
-           "parse_event_filter", "parse_list_query", "single_values", "time_param"]
+           "no_query", "parse_event_filter", "parse_list_query", "single_values", "time_param"]

@@ -38,7 +38,7 @@ from journal.writes import to_row
 from workers.protocol import CheckpointId, EpisodeId
 
 from engine.http.listing import lister as list_rows
-from engine.http.query import QueryError, single_values
+from engine.http.query import no_query
 from engine.http.shell import (ApiError, Body, Directory, Handler, Refusals, iso, new_id, phases, read_body,
                                row_json, shown, typed)
 from engine.workflows.checkpoint.checkpoint import STAGES, start_checkpoint
@@ -317,8 +317,7 @@ def add_workflow_routes(app: web.Application, orch: Orchestrator, mutating: Call
         m = models.checkpoint_members
 
         async def handler(request: web.Request) -> web.Response:
-            for name, value in single_values(request.query).items():
-                raise QueryError(name, value, "unknown parameter (this route takes none)")
+            no_query(request.query)
             entity_id = request.match_info["id"]
             async with orch.journal.read(snapshot=True) as conn:
                 row = (await conn.execute(sa.select(t).where(t.c.id == entity_id))).first()

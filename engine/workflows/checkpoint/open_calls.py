@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from journal import Committed, outbox
 
-#: States of a settled call.
+#: Outbox states of a settled call (defined here only: fan-out, checkpoint and scope import it).
 SETTLED = ("succeeded", "failed", "ambiguous")
 
 

@@ -30,7 +30,7 @@ from journal import WriteTx, audit, models
 from journal.audit import EventFilter
 
 from engine.http.listing import lister
-from engine.http.query import QueryError, single_values
+from engine.http.query import no_query
 from engine.http.shell import ApiError, Body, Handler, Refusals, phases, read_body, row_json, shown, typed
 from engine.workflows.checkpoint.rollout_tasks import (MAX_BATCH, InvalidTask, ReservedSuffix, RolloutConflict, check_task,
                                              submit_rollouts)
@@ -100,8 +100,7 @@ def add_rollout_routes(app: web.Application, orch: Orchestrator, mutating: Calla
         return rollout_json(row, terminal, full=False)
 
     async def show(request: web.Request) -> web.Response:
-        for name, value in single_values(request.query).items():
-            raise QueryError(name, value, "unknown parameter (this route takes none)")
+        no_query(request.query)
         rollout_id = request.match_info["id"]
         async with orch.journal.read(snapshot=True) as conn:
             row = (await conn.execute(sa.select(t).where(t.c.id == rollout_id))).first()

@@ -30,10 +30,10 @@ import sqlalchemy as sa
 from journal import models
 from workers.protocol import EpisodeId
 
+from engine.workflows.checkpoint.open_calls import SETTLED as _SETTLED
+
 #: The rollout state whose attempt a checkpoint continues (and ``pending`` with ``restored_on``).
 IN_FLIGHT = "dispatched"
-#: Outbox states of a settled call.
-_SETTLED = ("succeeded", "failed", "ambiguous")
 
 
 async def journal_scope(conn: Any) -> list[str]:

@@ -12,7 +12,7 @@ from aiohttp import web
 from journal import EntityKind, WriteTx, machines, models
 
 from engine.config import DiscoverySettingsModel
-from engine.http.shell import Handler, error
+from engine.http.shell import ApiError, Handler, typed
 from engine.runtime.workflow import Deps, Parts, Workflow, register
 from engine.workflows.discovery.controller import DiscoveryController, DiscoverySettings, sync_configured
 
@@ -61,18 +61,18 @@ def routes(app: web.Application, orch: Orchestrator, mutating: Callable[[Handler
                 stmt = stmt.where(t.c.id == name)
             names = list((await conn.execute(stmt)).scalars())
         if name is not None and not names:
-            return error(404, "not_found", f"no configured participant named {name!r}")
+            raise ApiError(404, "not_found", f"no configured participant named {name!r}")
         controller = orch.handle(NAME)
         # A probe is a read: the request only queues it; the controller records what it finds.
         if not isinstance(controller, DiscoveryController):
-            return error(404, "not_found", "discovery is not running in this orchestrator")
+            raise ApiError(404, "not_found", "discovery is not running in this orchestrator")
         for n in names:
             controller.request_probe(n)
             orch.reconciler.enqueue("participants", n)
         return web.json_response({"queued": names}, status=202)
 
     app.router.add_get("/v1/participants", participants)
-    app.router.add_post("/v1/participants/probe", mutating(probe))
+    app.router.add_post("/v1/participants/probe", mutating(typed(probe)))
 
 
 WORKFLOW = register(Workflow(

@@ -40,7 +40,7 @@ from journal import StaleRow, WriteTx, audit, models
 from journal.audit import EventFilter
 
 from engine.http.listing import lister as list_rows
-from engine.http.query import QueryError, single_values
+from engine.http.query import no_query
 from engine.http.shell import ApiError, Body, Directory, Handler, Refusals, phases, read_body, row_json, shown, typed
 from engine.workflows.training import (InvalidDecision, JobClosed, JobConflict, JobNotFound, JobStateRefused, TrainingPayloadError, reject_job, resolve_job, submit_job)
 from engine.workflows.training.wiring import TrainingParts
@@ -144,10 +144,6 @@ def add_training_routes(app: web.Application, orch: Orchestrator, mutating: Call
                                                      "(training.enabled); nothing was written")
         return parts
 
-    def no_query(request: web.Request) -> None:
-        for name, value in single_values(request.query).items():
-            raise QueryError(name, value, "unknown parameter (this route takes none)")
-
     async def job_summary(conn: Any, job_id: str) -> dict[str, Any] | None:
         row = (await conn.execute(sa.select(t).where(t.c.id == job_id))).first()
         return None if row is None else job_json(row._mapping, job_end, payload=False)
@@ -242,7 +238,7 @@ def add_training_routes(app: web.Application, orch: Orchestrator, mutating: Call
         return list_rows(orch.journal, kind, key, lambda row, _now: shape(row), orch.clock.now, order=order)
 
     async def job_get(request: web.Request) -> web.Response:
-        no_query(request)
+        no_query(request.query)
         job_id = request.match_info["id"]
         async with orch.journal.read(snapshot=True) as conn:
             row = (await conn.execute(sa.select(t).where(t.c.id == job_id))).first()
@@ -259,7 +255,7 @@ def add_training_routes(app: web.Application, orch: Orchestrator, mutating: Call
         return web.json_response(out)
 
     async def publication_get(request: web.Request) -> web.Response:
-        no_query(request)
+        no_query(request.query)
         load_id = request.match_info["load_id"]
         async with orch.journal.read(snapshot=True) as conn:
             row = (await conn.execute(sa.select(v).where(v.c.id == load_id))).first()
@@ -276,7 +272,7 @@ def add_training_routes(app: web.Application, orch: Orchestrator, mutating: Call
         return web.json_response(out)
 
     async def engines(request: web.Request) -> web.Response:
-        no_query(request)
+        no_query(request.query)
         async with orch.journal.read() as conn:
             rows = (await conn.execute(sa.select(g).order_by(g.c.deployment, g.c.id))).all()
         return web.json_response({"engines": [row_json(r._mapping) for r in rows]})
