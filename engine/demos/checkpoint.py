@@ -30,11 +30,14 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import yaml
+
+from journal import machines
 
 from engine.demos.arguments import checkpoint_demo_arguments
 
@@ -115,7 +118,7 @@ class Api:
                 raise RuntimeError(f"POST {path}: HTTP {resp.status} {reply}")
             return reply
 
-    async def wait(self, path: str, done: set[str], timeout: float = 120.0, *, quiet: bool = False
+    async def wait(self, path: str, done: Collection[str], timeout: float = 120.0, *, quiet: bool = False
                    ) -> dict[str, Any]:
         end = time.monotonic() + timeout
         last = None
@@ -242,7 +245,7 @@ async def run(args: argparse.Namespace) -> int:
             started = time.perf_counter()
             checkpoint_id = (await api.post("/v1/checkpoints", {}))["checkpoint_id"]
             print(f"checkpoint {checkpoint_id} taken mid-episode")
-            row = await api.wait(f"/v1/checkpoints/{checkpoint_id}", {"done", "aborted", "failed"})
+            row = await api.wait(f"/v1/checkpoints/{checkpoint_id}", machines.CHECKPOINTS.terminal)
             phases["checkpoint"] = time.perf_counter() - started
             if row["state"] != "done":
                 print(f"tidelog demo: the checkpoint ended {row['state']}: {row.get('detail')}", file=sys.stderr)
@@ -267,7 +270,7 @@ async def run(args: argparse.Namespace) -> int:
             phases["restart"] = time.perf_counter() - started
 
             started = time.perf_counter()
-            row = await api.wait(f"/v1/restores/{restore_id}", {"done", "failed"})
+            row = await api.wait(f"/v1/restores/{restore_id}", machines.RESTORES.terminal)
             phases["restore"] = time.perf_counter() - started
             if row["state"] != "done":
                 print(f"tidelog demo: the restore failed: {row.get('detail')}", file=sys.stderr)

@@ -50,6 +50,8 @@ import aiohttp
 import sqlalchemy as sa
 import yaml
 
+from journal import machines
+
 from engine.demos.arguments import training_demo_arguments
 from engine.demos.checkpoint import KINDS, ROOT, Fleet, free_port, until_up
 
@@ -191,7 +193,7 @@ class JobsApi:
             row = await self.get(f"/v1/jobs/{job_id}")
             if row is not None and row["state"] == "COMPLETE":
                 return dict(row)
-            if row is not None and row["state"] in ("FAILED", "REJECTED"):
+            if row is not None and row["state"] in machines.TRAINING_JOBS.terminal - {"COMPLETE"}:
                 raise RuntimeError(f"job {job_id} ended {row['state']}: {row.get('detail')}")
             await asyncio.sleep(0.05)
         raise TimeoutError(f"job {job_id} was not COMPLETE within {timeout:.0f} s")

@@ -52,7 +52,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -60,13 +60,13 @@ import torch
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..http_limits import Handler
 from ..policy import Policy, WeightsError, load_weights
 from ..reference._common import serve
 from .serving import ReferenceEngineState, ServingError
 
 VERSION = "tidelog-reference-0.1"
 INITIAL_VERSION = "initial"
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 STATE: web.AppKey[ReferenceEngineState] = web.AppKey("state", ReferenceEngineState)
 FAULTS: web.AppKey[dict[str, tuple[str, float]]] = web.AppKey("faults", dict)
 #: Test faults only: the routes whose next request kills the process, and the event history.

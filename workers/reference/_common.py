@@ -21,21 +21,20 @@ import signal
 import sqlite3
 import sys
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 import orjson
 from aiohttp import web
 
-from ..http_limits import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, runner_options
+from ..http_limits import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, Handler, runner_options
 from ..participant import ControlPlane, Participant, mount
 from ..participant.routes import CONTROL_MAX_SIZE
 from ..protocol import EpisodeId, ErrorCode, ProtocolError
 
 TOKEN_ENV = "TIDELOG_CONTROL_TOKEN"
 ROLLOUT_PREFIX = "/ng-rollout/{key}"
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 log = logging.getLogger("tidelog.reference")
 
