@@ -8,10 +8,17 @@ States (``journal.machines.ROLLOUTS``) and what :class:`RolloutController` does 
   ``max_in_flight`` attempts are in flight in all. Admitted, one write moves the row to
   ``dispatched`` (its ``environment``, ``run_call``, ``dispatched_at``) and creates the ``/run``
   intent; the admission is checked again inside that write, so two dispatches never take one slot.
+  That write fills every free slot, not only the row's own: it takes the oldest other ``pending``
+  rows (not pinned to an environment by a restore) with it, each to the least busy environment, so
+  a queue of thousands is dispatched in a few writes, not one write and three reads per row.
   A row refused a slot is parked in memory and woken when a slot frees (or a checkpoint or restore
-  ends, or an environment turns healthy); every resync looks at it again anyway.
+  ends, or an environment turns healthy); every resync looks at it again anyway. Once a look found
+  no slot for a reason only a commit can change, the rows after it park without reading until
+  such a commit comes.
 - ``dispatched``: the ``/run`` is an outbox intent that is **not safe to repeat** (a second
-  execution of an attempt orphans the first one's agent session), on the ``data`` pool. Its body is
+  execution of an attempt orphans the first one's agent session), on the ``data`` pool (the look
+  its own dispatch commit causes is skipped: until the reply, which wakes it, there is nothing to
+  decide). Its body is
   ``{"rollout_id": "<id>" | "<id>-a<N>", "task": <input>}``: attempt N ≥ 1 is named by the
   attempt-qualified id, as the protocol's agents read it. When the call settles:
   ``succeeded`` → ``finished`` (the reply is the ``result``); ``ambiguous`` (in flight when an
@@ -41,6 +48,7 @@ The row's ``detail`` says why its last attempt ended.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -48,7 +56,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from journal import Committed, WriteTx, models, outbox
+from journal import Committed, Transition, WriteTx, models, outbox
 from journal.machines import CHECKPOINTS, RESTORES, RETIREMENTS
 from journal.writes import Row
 from workers.protocol import EpisodeId, ErrorCode
@@ -128,6 +136,17 @@ class RolloutController(BaseController):
         # looked before such a commit and parks after it would miss its wake-up, so it looks again.
         self._slot_wakes = 0
         self._forget_wakes = 0
+        # The _slot_wakes / _forget_wakes value at which a look found every slot taken (or a forget
+        # batch open): until a commit bumps it, the next rows wait without reading or writing.
+        self._full_at: tuple[int, Parked] | None = None
+        self._batch_open_at: int | None = None
+        # Rows whose next look is known to have nothing to do, skipped once without a read: a row
+        # just dispatched (its /run is not even sent; the reply wakes it through ``waiting``) and
+        # a row just forgotten (terminal). Any other wake-up clears the mark first.
+        self._unneeded: set[str] = set()
+        # A dispatch round is being written (and another was asked for meanwhile).
+        self._dispatching = False
+        self._again = False
         self._enqueue: Callable[[str, str], None] | None = None
 
     # -- wake-ups -----------------------------------------------------------------------------------
@@ -137,6 +156,17 @@ class RolloutController(BaseController):
 
     def on_commit(self, committed: Sequence[Committed]) -> None:
         freed, reopened = 0, False
+        for c in committed:
+            if c.kind == KIND:
+                # A row dispatched (by another row's write) or forgotten no longer waits here; the
+                # look this very commit causes has nothing to do (see _unneeded), so it is skipped.
+                if c.to_state == "dispatched":
+                    self._parked.pop(c.entity_id, None)
+                    if c.from_state == "pending":
+                        self._unneeded.add(c.entity_id)
+                elif c.to_state == "forgotten":
+                    self._done.pop(c.entity_id, None)
+                    self._unneeded.add(c.entity_id)
         for c in committed:
             if c.kind == KIND and c.from_state == "dispatched" and c.to_state != "dispatched":
                 freed += 1
@@ -163,11 +193,31 @@ class RolloutController(BaseController):
             return
         for entity_id in list(parked)[:n]:
             del parked[entity_id]
+            self._unneeded.discard(entity_id)
             self._enqueue(KIND, entity_id)
+
+    async def lost(self) -> None:
+        """The lease was lost (the loops have stopped): what this controller knew of the rows is
+        forgotten, since another leader may change them before this process leads again; the
+        resync of the next term looks at every row afresh."""
+        self._parked.clear()
+        self._done.clear()
+        self._unneeded.clear()
+        self._full_at = None
+        self._batch_open_at = None
+        self._dispatching = self._again = False
+
+    def waiting(self, entity_id: str) -> bool:
+        # The row's /run settled: the look it wakes must read the row (never skipped).
+        self._unneeded.discard(entity_id)
+        return False
 
     # -- reconcile ----------------------------------------------------------------------------------
 
     async def reconcile(self, ctx: Context, entity_id: str) -> Result:
+        if entity_id in self._unneeded:
+            self._unneeded.discard(entity_id)
+            return Result()
         row = await ctx.get(KIND, entity_id)
         if row is None:
             return Result()
@@ -187,9 +237,10 @@ class RolloutController(BaseController):
 
     # -- pending: admission and dispatch ------------------------------------------------------------
 
-    async def _slot(self, conn: Any, now: float, pinned: str | None = None) -> Slot:
-        """The environment to send the next attempt to (``pinned``: that one only), or :class:`Parked`
-        saying why there is none."""
+    async def _slots(self, conn: Any, now: float, pinned: str | None = None) -> list[Slot]:
+        """The free slots, in dispatch order: each next one on the least busy environment (``pinned``:
+        on that one only), as many as ``max_in_flight`` and ``per_environment`` leave; or
+        :class:`Parked` saying why there is none."""
         blocker = await open_workflow(conn)
         if blocker is not None:
             raise Parked(blocker)
@@ -207,13 +258,22 @@ class RolloutController(BaseController):
                          f"environment {pinned}, which holds the restored attempt, is not healthy")
         busy = dict((await conn.execute(sa.select(t.c.environment, sa.func.count()).where(
             t.c.state == "dispatched").group_by(t.c.environment))).all())
-        if sum(busy.values()) >= self.settings.max_in_flight:
+        room = self.settings.max_in_flight - sum(busy.values())
+        if room <= 0:
             raise Parked(f"{self.settings.max_in_flight} attempts in flight (rollouts.max_in_flight)")
-        name, url = min(((e.id, e.url) for e in envs), key=lambda e: (busy.get(e[0], 0), e[0]))
-        if busy.get(name, 0) >= self.settings.per_environment:
+        # Least busy first, then by name: a heap of (in flight, name, url), one slot taken at a time.
+        heap = [(busy.get(e.id, 0), e.id, e.url) for e in envs if busy.get(e.id, 0) < self.settings.per_environment]
+        if not heap:
             raise Parked(f"every environment server has {self.settings.per_environment} attempts in flight "
                          "(rollouts.per_environment)")
-        return Slot(name, url)
+        heapq.heapify(heap)
+        slots: list[Slot] = []
+        while heap and len(slots) < room:
+            n, name, url = heapq.heappop(heap)
+            slots.append(Slot(name, url))
+            if n + 1 < self.settings.per_environment:
+                heapq.heappush(heap, (n + 1, name, url))
+        return slots
 
     async def _head(self, tx: WriteTx) -> str | None:
         """The deployment's committed weight version now: what the attempt's policy serves (the
@@ -231,57 +291,106 @@ class RolloutController(BaseController):
             return Result(requeue_after=0.0)  # a slot may have freed while it looked: look again now
         log.debug("rollout %s waits: %s", row.id, why)
         self._parked[row.id] = None
-        return Result() if why.after is None else Result(requeue_after=why.after)
+        if why.after is not None:
+            return Result(requeue_after=why.after)
+        if row["restored_on"] is None:
+            self._full_at = (wakes, why)  # only a commit (which bumps _slot_wakes) can free a slot
+        return Result()
 
     async def _dispatch(self, ctx: Context, row: Row) -> Result:
         now = ctx.clock.time()
         wakes = self._slot_wakes
+        pinned = row["restored_on"]
+        if pinned is None:
+            if self._full_at is not None and self._full_at[0] == wakes:
+                return self._park(row, self._full_at[1], wakes)
+            if self._dispatching:
+                # A round is being written; it runs once more when it is done, which takes this row if
+                # a slot is free (rounds back to back batch dispatches as group commit batches writes).
+                self._again = True
+                self._parked[row.id] = None
+                return Result()
+        if pinned is not None:
+            try:
+                await self._round(ctx, row.id, pinned, now)
+            except Parked as exc:
+                return self._park(row, exc, wakes)
+            return Result()
+        self._dispatching = True
         try:
-            async with ctx.journal.read() as conn:
-                await self._slot(conn, now, row["restored_on"])  # a cheap look first: most parked rows stop here
-        except Parked as exc:
-            return self._park(row, exc, wakes)
-        attempt = int(row["attempt"])
-
-        async def write(tx: WriteTx) -> None:
-            slot = await self._slot(tx, now, row["restored_on"])
-            intent = outbox.Intent(KIND, row.id, row.state, row.version, slot.url, "POST", RUN_PATH,
-                                   body=run_body(row.id, attempt, row["task"]),
-                                   timeout_s=self.settings.run_timeout_s, repeatable=False, pool="data",
-                                   max_attempts=3)
-            reason = f"attempt {attempt} sent to {slot.name}"
-            await tx.transition(KIND, row.id, from_state="pending", version=row.version, to_state="dispatched",
-                                reason=reason, changes={"environment": slot.name, "run_call": intent.id,
-                                                        "dispatched_at": tx.now, "ended_at": None,
-                                                        "weight_version": await self._head(tx)})
-            await outbox.ensure_all(tx, [(intent, reason)])
-        try:
-            await ctx.write(write)
-        except Parked as exc:
-            return self._park(row, exc, wakes)
+            try:
+                await self._round(ctx, row.id, None, now)
+            except Parked as exc:
+                return self._park(row, exc, wakes)
+            while self._again:
+                self._again = False
+                wakes = self._slot_wakes
+                try:
+                    await self._round(ctx, None, None, ctx.clock.time())
+                except Parked as exc:
+                    if exc.after is None and self._slot_wakes == wakes:
+                        self._full_at = (wakes, exc)
+                    break
+        finally:
+            self._dispatching = False
         return Result()
+
+    async def _round(self, ctx: Context, first: str | None, pinned: str | None, now: float) -> list[str]:
+        """One write that dispatches ``first`` (if still pending) and, unless it is ``pinned`` to an
+        environment, the oldest other unpinned pending rows, one per free slot; the ids sent.
+        Raises :class:`Parked` (nothing written) when no slot is free."""
+        async def write(tx: WriteTx) -> list[str]:
+            slots = await self._slots(tx, now, pinned)
+            t = models.rollouts
+            query = sa.select(t.c.id, t.c.version, t.c.attempt, t.c.task).where(t.c.state == "pending")
+            if pinned is not None:
+                query = query.where(t.c.id == first)
+            else:
+                order: list[Any] = [t.c.created_at, t.c.id]
+                if first is not None:
+                    order.insert(0, sa.case((t.c.id == first, 0), else_=1))
+                query = (query.where(t.c.restored_on.is_(None) if first is None else
+                                     sa.or_(t.c.id == first, t.c.restored_on.is_(None)))
+                         .order_by(*order).limit(len(slots)))
+            taken = (await tx.execute(query)).all()
+            head = await self._head(tx) if taken else None
+            intents: list[tuple[outbox.Intent, str]] = []
+            moves: list[Transition] = []
+            for slot, r in zip(slots, taken):
+                intent = outbox.Intent(KIND, r.id, "pending", r.version, slot.url, "POST", RUN_PATH,
+                                       body=run_body(r.id, int(r.attempt), r.task),
+                                       timeout_s=self.settings.run_timeout_s, repeatable=False, pool="data",
+                                       max_attempts=3)
+                reason = f"attempt {r.attempt} sent to {slot.name}"
+                moves.append(Transition(KIND, r.id, "pending", r.version, "dispatched", reason,
+                                        {"environment": slot.name, "run_call": intent.id, "dispatched_at": tx.now,
+                                         "ended_at": None, "weight_version": head}))
+                intents.append((intent, reason))
+            await tx.apply(moves)  # one statement for the batch (same shape), each row still compare-and-set
+            await outbox.ensure_all(tx, intents)
+            return [r.id for r in taken]
+        sent: list[str] = await ctx.write(write)
+        return sent
 
     # -- dispatched: the /run's outcome -------------------------------------------------------------
 
     async def _settle(self, ctx: Context, row: Row) -> Result:
         if row["run_call"] is None:
             return Result()
-        t = models.rpc_calls
-        async with ctx.journal.read() as conn:
-            found = (await conn.execute(sa.select(t.c.state, t.c.result, t.c.error).where(
-                t.c.id == row["run_call"]))).first()
+        # A group read: the rows whose calls settled in one commit share one query.
+        found = await ctx.get(outbox.KIND, row["run_call"])
         if found is None:
             log.error("rollout %s: its /run intent %s is not in the outbox", row.id, row["run_call"][:12])
             return Result()
         attempt, env = int(row["attempt"]), row["environment"]
         if found.state == "succeeded":
             await self._move(ctx, row, "finished", f"attempt {attempt} finished on {env}",
-                             result=found.result)
+                             result=found["result"])
         elif found.state == "ambiguous":
             await self._move(ctx, row, "ambiguous", f"attempt {attempt}'s /run to {env} has no known outcome "
-                             f"(not sent again): {_said(found.error)}", detail=_said(found.error))
+                             f"(not sent again): {_said(found['error'])}", detail=_said(found["error"]))
         elif found.state == "failed":
-            error = found.error if isinstance(found.error, Mapping) else {}
+            error = found["error"] if isinstance(found["error"], Mapping) else {}
             if error.get("code") in NOT_STARTED or (error.get("type") == "TransportError" and not error.get("sent")):
                 # Passed over for a moment (closed by a checkpoint of someone else's, or not
                 # answering): sending the attempt straight back would only be refused again.
@@ -297,12 +406,10 @@ class RolloutController(BaseController):
 
     async def _move(self, ctx: Context, row: Row, to: str, reason: str, **changes: Any) -> None:
         """One compare-and-set of the row to ``to``; ``ended_at`` is when the attempt ended (none
-        for a row that waits for its next dispatch)."""
-        async def write(tx: WriteTx) -> None:
-            values = {**changes, "ended_at": None if to == "pending" else tx.now}
-            await tx.transition(KIND, row.id, from_state=row.state, version=row.version, to_state=to,
-                                reason=reason[:500], changes=values)
-        await ctx.write(write)
+        for a row that waits for its next dispatch). A declared operation, so the moves of many rows
+        committed together go as one statement."""
+        values = {**changes, "ended_at": None if to == "pending" else ctx.clock.now()}
+        await ctx.apply(Transition(KIND, row.id, row.state, row.version, to, reason[:500], values))
 
     # -- ambiguous, errored: retire the attempt everywhere ------------------------------------------
 
@@ -352,6 +459,10 @@ class RolloutController(BaseController):
 
     async def _forget(self, ctx: Context, row: Row) -> Result:
         wakes = self._forget_wakes
+        if self._batch_open_at == wakes:
+            # A batch was open at this generation and none has ended since (each end bumps it):
+            # asking again would only be refused, in a write of its own per done row.
+            return self._wait_for_batch(row, wakes)
 
         async def write(tx: WriteTx) -> list[str]:
             return await request_forget_batch(tx, limit=self.settings.forget_batch,
@@ -361,7 +472,10 @@ class RolloutController(BaseController):
         except ForgetWaits as exc:
             if exc.after is not None:
                 return Result(requeue_after=exc.after)
+            self._batch_open_at = wakes
             return self._wait_for_batch(row, wakes)
+        if named:
+            self._batch_open_at = wakes
         return Result() if row.id in named else self._wait_for_batch(row, wakes)
 
     def _wait_for_batch(self, row: Row, wakes: int) -> Result:

@@ -36,14 +36,15 @@ NAME = "checkpoint"
 
 def build(deps: Deps) -> Parts:
     c, r = deps.settings.checkpoint, deps.settings.rollouts
+    rollouts = RolloutController(RolloutSettings(
+        r.max_in_flight, r.per_environment, r.max_failures, r.run_timeout_s, r.forget_batch, r.forget_retry_s,
+        deployment=deps.settings.training.deployment if deps.settings.training.enabled else None))
     controllers: list[Controller] = [
         CheckpointController(CheckpointTimeouts(c.prepare_timeout_s, c.commit_timeout_s, c.resume_timeout_s)),
         RestoreController(RestoreSettings(c.restore_timeout_s, c.resume_timeout_s)),
         RetirementController(RetirementSettings(c.retire_timeout_s)),
-        RolloutController(RolloutSettings(
-            r.max_in_flight, r.per_environment, r.max_failures, r.run_timeout_s, r.forget_batch, r.forget_retry_s,
-            deployment=deps.settings.training.deployment if deps.settings.training.enabled else None))]
-    return Parts(controllers=controllers)
+        rollouts]
+    return Parts(controllers=controllers, on_lost=rollouts.lost)
 
 
 def routes(app: web.Application, orch: Orchestrator, mutating: Callable[[Handler], Handler]) -> None:

@@ -13,13 +13,14 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 from engine.runtime.clock import SystemClock
 from engine.runtime.committer import GroupCommitter
 from engine.runtime.reconciler import Context
 from engine.workflows.checkpoint import rollouts as rollouts_module
-from engine.workflows.checkpoint.rollouts import RolloutController
-from journal import Committed, Journal, WriteTx, lease
+from engine.workflows.checkpoint.rollouts import RolloutController, RolloutSettings
+from journal import Committed, Journal, WriteTx, lease, models
 
 
 @pytest.fixture
@@ -66,3 +67,84 @@ async def test_a_wake_up_that_lands_while_a_rollout_looks_is_not_lost(
     assert result.requeue_after is None and "r1" in controller._parked
     controller.on_commit([Committed("restores", "rs-1", "resuming", "done", 3)])
     assert woken == ["r1"]
+
+
+async def _fleet(ctx: Context, envs: int, pending: int) -> None:
+    async def rows(tx: WriteTx) -> None:
+        for e in range(envs):
+            await tx.create("participants", f"env-{e}", reason="t",
+                            values={"kind": "environment", "url": f"http://127.0.0.1:{9000 + e}"})
+            await tx.transition("participants", f"env-{e}", from_state="pending", version=1, to_state="healthy",
+                                reason="probed")
+        for i in range(pending):
+            await tx.create("rollouts", f"r{i}", reason="t", state="pending", values={"attempt": 0, "task": {"n": i}})
+    await ctx.write(rows)
+
+
+async def _states(ctx: Context) -> dict[str, tuple[str, str | None]]:
+    async with ctx.journal.read() as conn:
+        rows = (await conn.execute(sa.select(models.rollouts.c.id, models.rollouts.c.state,
+                                             models.rollouts.c.environment))).all()
+    return {r.id: (r.state, r.environment) for r in rows}
+
+
+async def test_one_write_fills_every_free_slot_and_later_rows_park_without_reading(
+        ctx: Context, monkeypatch: pytest.MonkeyPatch) -> None:
+    await _fleet(ctx, envs=2, pending=10)
+    controller = RolloutController(RolloutSettings(max_in_flight=6, per_environment=4))
+    controller.attach(lambda kind, entity_id: None)
+    commits: list[list[Committed]] = []
+    ctx.journal.add_commit_listener(lambda committed: commits.append(list(committed)))
+    await controller.reconcile(ctx, "r5")
+
+    states = await _states(ctx)
+    sent = sorted(i for i, (state, _) in states.items() if state == "dispatched")
+    assert len(sent) == 6 and "r5" in sent  # the row that looked, and the five oldest others
+    assert sorted(env for state, env in states.values() if state == "dispatched") == ["env-0"] * 3 + ["env-1"] * 3
+    moves = [c for batch in commits for c in batch if c.kind == "rollouts" and c.to_state == "dispatched"]
+    assert len(moves) == 6 and len(commits) == 1  # all six in one commit
+    async with ctx.journal.read() as conn:
+        runs = (await conn.execute(sa.select(models.rpc_calls.c.path, models.rpc_calls.c.entity_id))).all()
+    assert sorted(r.entity_id for r in runs) == sent and {r.path for r in runs} == {"/run"}
+
+    looks: list[int] = []
+    real = rollouts_module.open_workflow
+
+    async def counted(conn: Any) -> str | None:
+        looks.append(1)
+        return await real(conn)
+    monkeypatch.setattr(rollouts_module, "open_workflow", counted)
+    controller.on_commit(moves)  # the dispatch commit, as the reconciler hands it on
+    first = await controller.reconcile(ctx, "r9")
+    assert "r9" in controller._parked and first.requeue_after is None and len(looks) == 1
+    await controller.reconcile(ctx, "r8")  # every slot is taken and no commit freed one: no read
+    assert "r8" in controller._parked and len(looks) == 1
+
+    # A lost lease forgets all of it: the next term looks afresh.
+    await controller.lost()
+    assert not controller._parked and controller._full_at is None
+    await controller.reconcile(ctx, "r8")
+    assert len(looks) == 2
+
+
+async def test_the_look_a_dispatch_commit_causes_is_skipped_but_the_reply_is_read(
+        ctx: Context, monkeypatch: pytest.MonkeyPatch) -> None:
+    await _fleet(ctx, envs=1, pending=1)
+    controller = RolloutController()
+    controller.attach(lambda kind, entity_id: None)
+    commits: list[Committed] = []
+    ctx.journal.add_commit_listener(commits.extend)
+    await controller.reconcile(ctx, "r0")
+    controller.on_commit(commits)
+    reads: list[str] = []
+    real_get = ctx.get
+
+    async def get(kind: str, entity_id: str) -> Any:
+        reads.append(f"{kind}:{entity_id}")
+        return await real_get(kind, entity_id)
+    monkeypatch.setattr(ctx, "get", get)
+    await controller.reconcile(ctx, "r0")  # caused by its own dispatch: the /run is not even sent
+    assert reads == []
+    assert controller.waiting("r0") is False  # the /run settled: the reply's look must read
+    await controller.reconcile(ctx, "r0")
+    assert reads[0] == "rollouts:r0" and reads[1].startswith("rpc_calls:")
