@@ -141,8 +141,9 @@ class RolloutController(BaseController):
         self._full_at: tuple[int, Parked] | None = None
         self._batch_open_at: int | None = None
         # Rows whose next look is known to have nothing to do, skipped once without a read: a row
-        # just dispatched (its /run is not even sent; the reply wakes it through ``waiting``) and
-        # a row just forgotten (terminal). Any other wake-up clears the mark first.
+        # just dispatched (its /run is not even sent; the reply wakes it through ``waiting``), a
+        # row done while a forget batch is open (it waits for the next) and a row just forgotten
+        # (terminal). Any other wake-up clears the mark first.
         self._unneeded: set[str] = set()
         # A dispatch round is being written (and another was asked for meanwhile).
         self._dispatching = False
@@ -166,6 +167,10 @@ class RolloutController(BaseController):
                         self._unneeded.add(c.entity_id)
                 elif c.to_state == "forgotten":
                     self._done.pop(c.entity_id, None)
+                    self._unneeded.add(c.entity_id)
+                elif c.to_state in DONE and self._batch_open_at == self._forget_wakes:
+                    # Done while a forget batch is open: it waits for the next, as its look would decide.
+                    self._done[c.entity_id] = None
                     self._unneeded.add(c.entity_id)
         for c in committed:
             if c.kind == KIND and c.from_state == "dispatched" and c.to_state != "dispatched":

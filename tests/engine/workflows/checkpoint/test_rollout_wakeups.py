@@ -148,3 +148,39 @@ async def test_the_look_a_dispatch_commit_causes_is_skipped_but_the_reply_is_rea
     assert controller.waiting("r0") is False  # the /run settled: the reply's look must read
     await controller.reconcile(ctx, "r0")
     assert reads[0] == "rollouts:r0" and reads[1].startswith("rpc_calls:")
+
+
+async def test_a_rollout_done_while_a_forget_batch_is_open_waits_for_the_next_without_a_look(
+        ctx: Context, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def rows(tx: WriteTx) -> None:
+        for i in range(2):
+            await tx.create("rollouts", f"r{i}", reason="t", state="pending", values={"attempt": 0, "task": {"n": i}})
+            await tx.transition("rollouts", f"r{i}", from_state="pending", version=1, to_state="dispatched", reason="t")
+        await tx.transition("rollouts", "r0", from_state="dispatched", version=2, to_state="finished", reason="t")
+    await ctx.write(rows)
+    controller = RolloutController()
+    woken: list[str] = []
+    controller.attach(lambda kind, entity_id: woken.append(entity_id))
+    await controller.reconcile(ctx, "r0")  # asks for the forget of r0: a batch is now open
+    async with ctx.journal.read() as conn:
+        batch = (await conn.execute(sa.select(models.retirements.c.id))).scalar_one()
+
+    async def r1_finishes(tx: WriteTx) -> None:
+        await tx.transition("rollouts", "r1", from_state="dispatched", version=2, to_state="finished", reason="t")
+    await ctx.write(r1_finishes)
+    controller.on_commit([Committed("rollouts", "r1", "dispatched", "finished", 3)])
+    reads: list[str] = []
+    real_get = ctx.get
+
+    async def get(kind: str, entity_id: str) -> Any:
+        reads.append(f"{kind}:{entity_id}")
+        return await real_get(kind, entity_id)
+    monkeypatch.setattr(ctx, "get", get)
+    await controller.reconcile(ctx, "r1")
+    assert reads == [] and "r1" in controller._done  # it waits for the next batch, unread
+
+    controller.on_commit([Committed("retirements", batch, "forgetting", "done", 5)])
+    assert woken == ["r1"]  # the batch's end wakes it, and that look reads the row again
+    await controller.reconcile(ctx, "r1")
+    # (The batch's end was only announced here, so the journal still holds it open: r1 waits again.)
+    assert reads == ["rollouts:r1"] and "r1" in controller._done
