@@ -17,17 +17,18 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Callable
 from typing import Any
 
 import orjson
-from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, stop_after_delay, wait_exponential
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential
+from tenacity.stop import stop_base
 from yarl import URL
 
 from workers import protocol
 
+from engine.runtime.clock import Clock, SystemClock
 from engine.runtime.transport import AiohttpTransport, Pool, Request, Transport, TransportFailure
 
 
@@ -102,15 +103,29 @@ def encode_body(body: Any) -> bytes:
         return json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
 
 
+class _StopAtDeadline(stop_base):
+    """Stop retrying once ``deadline`` has passed on ``clock`` (tenacity's ``stop_after_delay``,
+    measured on the injectable clock rather than on ``time.monotonic``)."""
+
+    def __init__(self, clock: Clock, deadline: float) -> None:
+        self.clock, self.deadline = clock, deadline
+
+    def __call__(self, retry_state: RetryCallState) -> bool:
+        return self.clock.monotonic() >= self.deadline
+
+
 class RpcClient:
     """Pooled, authenticated, fenced HTTP calls with deadlines, over a :class:`Transport`
-    (default: real HTTP with a ``control`` and a ``data`` pool; a test may pass its own)."""
+    (default: real HTTP with a ``control`` and a ``data`` pool; a test may pass its own).
+
+    A call's deadline and the backoff between its tries are measured on ``clock`` (the
+    orchestrator's injectable clock; the system clock by default)."""
 
     def __init__(self, *, token: str | None, epoch: Callable[[], int | None] = lambda: None,
                  lineage: Callable[[], str | None] = lambda: None,
                  control_pool: int = 64, control_per_host: int = 8, data_pool: int = 16,
                  transport_tries: int = 3, retry_backoff_s: float = 0.2,
-                 transport: Transport | None = None) -> None:
+                 transport: Transport | None = None, clock: Clock | None = None) -> None:
         if transport_tries < 1:
             raise ValueError("transport_tries must be >= 1")
         self._token = token
@@ -118,6 +133,7 @@ class RpcClient:
         self._lineage = lineage
         self._tries = transport_tries
         self._backoff = retry_backoff_s
+        self._clock: Clock = clock or SystemClock()
         self.transport: Transport = transport or AiohttpTransport(
             control_pool=control_pool, control_per_host=control_per_host, data_pool=data_pool)
         self._urls: dict[tuple[str, str], URL] = {}
@@ -170,8 +186,8 @@ class RpcClient:
         if data is not None:
             headers["Content-Type"] = "application/json"
         url = self._url(target, path)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
+        clock = self._clock
+        deadline = clock.monotonic() + timeout_s
 
         def worth_retrying(exc: BaseException) -> bool:
             if not isinstance(exc, TransportError) or isinstance(exc, CallTimeout):
@@ -183,7 +199,7 @@ class RpcClient:
 
         async def attempt() -> Any:
             nonlocal sent_any
-            remaining = deadline - loop.time()
+            remaining = deadline - clock.monotonic()
             if remaining <= 0:
                 # Report what the earlier attempts met, and whether any of them may have arrived.
                 if last:
@@ -209,11 +225,11 @@ class RpcClient:
         # Retries with exponential backoff (``retry_backoff_s * 2**(n-1)``, capped at
         # ``max(retry_backoff_s, 2s)``), on transport errors only (see worth_retrying), for at most
         # ``tries`` attempts and not once ``timeout_s`` has passed since the first; the last error
-        # is raised as it is.
+        # is raised as it is. The waits are slept on the client's clock.
         retrying = AsyncRetrying(
-            stop=stop_after_attempt(tries or self._tries) | stop_after_delay(timeout_s),
+            stop=stop_after_attempt(tries or self._tries) | _StopAtDeadline(clock, deadline),
             wait=wait_exponential(multiplier=self._backoff, exp_base=2, min=0, max=max(self._backoff, 2.0)),
-            retry=retry_if_exception(worth_retrying), sleep=asyncio.sleep, reraise=True)
+            retry=retry_if_exception(worth_retrying), sleep=clock.sleep, reraise=True)
         return await retrying(attempt)
 
     @staticmethod

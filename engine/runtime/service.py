@@ -72,7 +72,7 @@ class Orchestrator:
                              lineage=lambda: self.leader.last_lineage,
                              control_pool=r.control_pool, control_per_host=r.control_per_host,
                              data_pool=r.data_pool, transport_tries=r.transport_tries,
-                             retry_backoff_s=r.retry_backoff_s, transport=transport)
+                             retry_backoff_s=r.retry_backoff_s, transport=transport, clock=self.clock)
         self.reconciler = Reconciler(self.journal, self.committer, self.clock,
                                      concurrency=settings.reconciler.concurrency,
                                      resync_interval_s=settings.reconciler.resync_interval_s,

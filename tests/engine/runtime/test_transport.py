@@ -13,6 +13,7 @@ import pytest
 import sqlalchemy as sa
 
 from engine.config import Settings
+from engine.runtime.clock import VirtualClock
 from engine.runtime.leader import LEASE_NAME
 from engine.runtime.rpc import CallTimeout, RemoteError, RpcClient, TransportError
 from engine.runtime.service import Orchestrator
@@ -94,6 +95,32 @@ async def test_a_reply_that_does_not_come_is_a_call_timeout_that_may_have_arrive
     with pytest.raises(CallTimeout) as caught:
         await rpc.call("http://p1:9", "GET", "/s", timeout_s=2)
     assert caught.value.sent and "no reply within 2s" in str(caught.value)
+
+
+async def test_the_backoff_and_the_deadline_are_measured_on_the_clients_clock() -> None:
+    """On a virtual clock a retry waits for ``advance`` (not for the wall clock), and the deadline
+    that stops the retries and bounds each attempt is read from the same clock."""
+    async def handler(request: Request) -> Response:
+        raise TransportFailure("connect", "refused")
+
+    clock = VirtualClock()
+    transport = HandlerTransport(handler)
+    # Backoff 1 s, 2 s, 4 s... capped at 2 s; the deadline is 2.5 s: tries at 0 s and 1 s, the next
+    # wait ends at 3 s, past the deadline, so the second try's error is raised.
+    rpc = RpcClient(token=None, transport=transport, transport_tries=10, retry_backoff_s=1.0, clock=clock)
+    call = asyncio.ensure_future(rpc.call("http://p1:9", "GET", "/s", timeout_s=2.5))
+    await clock.advance(0)
+    assert len(transport.requests) == 1 and not call.done()
+    await asyncio.sleep(0.05)  # real time does not move the retry
+    assert len(transport.requests) == 1 and not call.done()
+    await clock.advance(1.0)
+    assert len(transport.requests) == 2 and not call.done()
+    assert transport.requests[1].timeout_s == pytest.approx(1.5)  # what is left of the deadline
+    await clock.advance(2.0)
+    with pytest.raises(TransportError) as caught:
+        await call
+    assert not caught.value.sent and "cannot connect: refused" in str(caught.value)
+    assert len(transport.requests) == 2
 
 
 async def test_discovery_runs_in_an_orchestrator_against_an_in_process_participant(journal_url: str) -> None:
