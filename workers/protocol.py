@@ -146,6 +146,19 @@ class ErrorBody(BaseModel):
 
 # -- episode identity ---------------------------------------------------------------------------
 
+def capture_key(rollout_id: str, attempt: int) -> str:
+    """The capture key of ``attempt`` of ``rollout_id``: ``r`` for attempt 0, ``r-aN`` after it (what
+    :attr:`EpisodeId.capture_key` says, without building the model, for ids already checked)."""
+    return rollout_id if attempt == 0 else f"{rollout_id}-a{attempt}"
+
+
+def split_capture_key(key: str) -> tuple[str, int]:
+    """``(rollout id, attempt)`` of a capture key (:meth:`EpisodeId.from_capture_key` without the model
+    and its checks: for keys this side made, where thousands are read at once)."""
+    match = ATTEMPT_SUFFIX.search(key)
+    return (key, 0) if match is None else (key[:match.start()], int(match.group(1)))
+
+
 class EpisodeId(_Request):
     """One attempt of one rollout. ``attempt`` 0 is the first; a restore continues N as N + 1."""
 
@@ -163,15 +176,13 @@ class EpisodeId(_Request):
 
     @property
     def capture_key(self) -> str:
-        return self.rollout_id if self.attempt == 0 else f"{self.rollout_id}-a{self.attempt}"
+        return capture_key(self.rollout_id, self.attempt)
 
     @classmethod
     def from_capture_key(cls, key: str) -> EpisodeId:
         """Parse ``r`` or ``r-aN`` back into the rollout and attempt it names."""
-        match = ATTEMPT_SUFFIX.search(key)
-        if match is None:
-            return cls(rollout_id=key, attempt=0)
-        return cls(rollout_id=key[:match.start()], attempt=int(match.group(1)))
+        rollout_id, attempt = split_capture_key(key)
+        return cls(rollout_id=rollout_id, attempt=attempt)
 
     def next_attempt(self) -> EpisodeId:
         return EpisodeId(rollout_id=self.rollout_id, attempt=self.attempt + 1)

@@ -60,7 +60,6 @@ import sqlalchemy as sa
 
 from journal import Committed, Transition, WriteTx, machines, models, outbox
 from journal.writes import Row
-from workers.protocol import EpisodeId
 
 from engine.workflows.checkpoint import confined
 from engine.runtime.clock import Clock, SystemClock
@@ -71,7 +70,7 @@ from engine.workflows.checkpoint.publish_files import Publication, PublishFailed
 from engine.workflows.checkpoint.retirement import KIND as RETIREMENTS
 from engine.workflows.checkpoint.retries import (EXPORT_FAILED, member_id, next_try_id, retirement_id, retries,
                                                  start_retry)
-from engine.workflows.checkpoint.scope import RolloutSet, journal_scope, rollout_set, unsettled_runs
+from engine.workflows.checkpoint.scope import RolloutSet, episode_json, journal_scope, rollout_set, unsettled_runs
 
 KIND = "checkpoints"
 MEMBERS = "checkpoint_members"
@@ -211,7 +210,7 @@ class CheckpointController(BaseController):
             if row["scope"] is None:
                 return None  # the first look reads the scope from the journal (no calls yet)
             # Every member, the environments included, commits the one scope the journal gave.
-            body["episode_ids"] = [EpisodeId.from_capture_key(k).model_dump() for k in row["scope"]]
+            body["episode_ids"] = [episode_json(k) for k in row["scope"]]
             return _Step("commit", members, body, deadline, ("prepared",), "committing")
         if row.state in ("resuming", "aborting"):
             # Reverse stage order, from wherever each member stands (members never reached too).

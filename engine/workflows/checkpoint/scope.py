@@ -28,7 +28,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from journal import models
-from workers.protocol import EpisodeId
+from workers.protocol import capture_key, split_capture_key
 
 from engine.workflows.checkpoint.open_calls import SETTLED as _SETTLED
 
@@ -41,13 +41,13 @@ async def journal_scope(conn: Any) -> list[str]:
     t = models.rollouts
     rows = (await conn.execute(sa.select(t.c.id, t.c.attempt).where(sa.or_(
         t.c.state == IN_FLIGHT, sa.and_(t.c.state == "pending", t.c.restored_on.is_not(None)))))).all()
-    return sorted(EpisodeId(rollout_id=r.id, attempt=r.attempt).capture_key for r in rows)
+    return sorted(capture_key(r.id, r.attempt) for r in rows)
 
 
 async def unsettled_runs(conn: Any, keys: Iterable[str]) -> list[str]:
     """Those of ``keys`` whose rollout's current ``/run`` (an outbox intent of this orchestrator) has
     not settled yet. A row sent by a caller's own code has no ``run_call``: nothing to wait for."""
-    wanted = {e.rollout_id: e.attempt for e in map(EpisodeId.from_capture_key, keys)}
+    wanted = dict(map(split_capture_key, keys))
     if not wanted:
         return []
     t, c = models.rollouts, models.rpc_calls
@@ -57,9 +57,14 @@ async def unsettled_runs(conn: Any, keys: Iterable[str]) -> list[str]:
         rows = (await conn.execute(
             sa.select(t.c.id, t.c.attempt).select_from(t.join(c, c.c.id == t.c.run_call))
             .where(t.c.id.in_(ids[i:i + 500]), t.c.state == IN_FLIGHT, c.c.state.not_in(_SETTLED)))).all()
-        out += [EpisodeId(rollout_id=r.id, attempt=r.attempt).capture_key for r in rows
-                if wanted.get(r.id) == r.attempt]
+        out += [capture_key(r.id, r.attempt) for r in rows if wanted.get(r.id) == r.attempt]
     return sorted(out)
+
+
+def episode_json(key: str) -> dict[str, Any]:
+    """A capture key as the protocol's episode object (``EpisodeId.model_dump()``, without the model)."""
+    rollout_id, attempt = split_capture_key(key)
+    return {"rollout_id": rollout_id, "attempt": attempt}
 
 
 #: Most not-dispatched rollout ids a checkpoint lists (oldest first; the count is always exact), so
@@ -77,7 +82,7 @@ class RolloutSet:
     not_dispatched_count: int = 0
 
     def as_json(self) -> dict[str, Any]:
-        return {"continued": [EpisodeId.from_capture_key(k).model_dump() for k in self.continued],
+        return {"continued": [episode_json(k) for k in self.continued],
                 "not_dispatched": self.not_dispatched,
                 "not_dispatched_count": max(self.not_dispatched_count, len(self.not_dispatched))}
 
@@ -96,7 +101,7 @@ async def rollout_set(conn: Any, scope: Sequence[str]) -> RolloutSet:
     """The scoped rollouts still at the scoped attempt, in flight or restored, and every rollout ``pending``
     that no restore pinned (submitted or queued as its next attempt, not sent yet)."""
     t = models.rollouts
-    wanted = {e.rollout_id: e for e in map(EpisodeId.from_capture_key, scope)}
+    wanted = dict(map(split_capture_key, scope))
     ids = sorted(wanted)
     continued: list[str] = []
     seen: set[str] = set()
@@ -107,10 +112,10 @@ async def rollout_set(conn: Any, scope: Sequence[str]) -> RolloutSet:
             # Anything else ended the attempt during the wait: finished, errored, or refused before it
             # started (back to pending unpinned: it is not dispatched, and nothing of it was kept).
             live = r.state == IN_FLIGHT or (r.state == "pending" and r.restored_on is not None)
-            if live and r.attempt == wanted[r.id].attempt:
-                continued.append(wanted[r.id].capture_key)
+            if live and r.attempt == wanted[r.id]:
+                continued.append(capture_key(r.id, r.attempt))
     # A scoped episode with no row at all (a caller's own, recorded by nobody) stays continued.
-    continued += [e.capture_key for rid, e in wanted.items() if rid not in seen]
+    continued += [capture_key(rid, attempt) for rid, attempt in wanted.items() if rid not in seen]
     waiting = sa.and_(t.c.state == "pending", t.c.restored_on.is_(None))
     pending = (await conn.execute(sa.select(t.c.id).where(waiting).order_by(t.c.created_at, t.c.id)
                                   .limit(NOT_DISPATCHED_LISTED))).scalars().all()
@@ -119,4 +124,5 @@ async def rollout_set(conn: Any, scope: Sequence[str]) -> RolloutSet:
     return RolloutSet(sorted(continued), list(pending), count)
 
 
-__all__ = ["IN_FLIGHT", "NOT_DISPATCHED_LISTED", "RolloutSet", "journal_scope", "rollout_set", "unsettled_runs"]
+__all__ = ["IN_FLIGHT", "NOT_DISPATCHED_LISTED", "RolloutSet", "episode_json", "journal_scope", "rollout_set",
+           "unsettled_runs"]
