@@ -7,10 +7,10 @@ back fully buffered results (so no cursor outlives a call).
   writer anyway), used under an asyncio lock by one transaction at a time.
   ``BEGIN IMMEDIATE`` runs inline with a busy timeout of zero: it takes the
   file lock at once or reports SQLITE_BUSY at once, and the wait for another
-  process's lock is an asyncio sleep loop (up to the configured busy timeout),
-  never a blocked event loop. Once the lock is held, statements run inline too:
-  in WAL mode a statement under the write lock never waits on another
-  connection, and it takes microseconds. Only the commit (with the fsync of
+  process's lock is a tenacity retry with asyncio sleeps (up to the configured
+  busy timeout), never a blocked event loop. Once the lock is held, statements
+  run inline too: in WAL mode a statement under the write lock never waits on
+  another connection, and it takes microseconds. Only the commit (with the fsync of
   ``synchronous=FULL``) and the event inserts before it go to a dedicated
   thread: one thread hop per transaction. General reads go through the async
   (aiosqlite) engine on their own connections, which WAL lets run beside the
@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential
 
 from .types import dumps, loads
 
@@ -206,6 +207,11 @@ class SqliteWriterThread:
         pool.shutdown(wait=True)
 
 
+def _busy(exc: BaseException) -> bool:
+    """SQLITE_BUSY/SQLITE_LOCKED: another connection holds the write lock (worth waiting for)."""
+    return isinstance(exc, sa.exc.OperationalError) and ("locked" in str(exc) or "busy" in str(exc))
+
+
 class SqliteWriter(Writer):
     def __init__(self, thread: SqliteWriterThread) -> None:
         self._t = thread
@@ -215,22 +221,26 @@ class SqliteWriter(Writer):
         conn = self._t.conn()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._t.busy_timeout_s
-        delay = 0.001
-        while True:
+
+        async def take_lock() -> None:
             try:
                 # Inline: BEGIN IMMEDIATE either takes the file lock at once or reports
                 # SQLITE_BUSY at once (busy timeout 0); waiting happens here, off SQLite.
                 self._tx = conn.begin()
-                return
-            except sa.exc.OperationalError as exc:
+            except sa.exc.OperationalError:
                 if conn.in_transaction():
                     conn.rollback()
-                if "locked" not in str(exc) and "busy" not in str(exc):
-                    raise
-                if loop.time() + delay > deadline:
-                    raise
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 0.05)
+                raise
+
+        def next_wait_ends_past_deadline(state: RetryCallState) -> bool:
+            return loop.time() + state.upcoming_sleep > deadline
+
+        # While another process holds the lock: waits of 1 ms doubling up to 50 ms, until the next
+        # wait would end past the busy timeout; then (or for any other error) the error is raised.
+        retrying = AsyncRetrying(stop=next_wait_ends_past_deadline,
+                                 wait=wait_exponential(multiplier=0.001, exp_base=2, min=0, max=0.05),
+                                 retry=retry_if_exception(_busy), sleep=asyncio.sleep, reraise=True)
+        await retrying(take_lock)
 
     async def execute(self, stmt: sa.Executable, params: Params = None) -> Buffered:
         # Inline on purpose: the write lock is held, so this cannot wait on another writer.
