@@ -27,9 +27,15 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_fixed
 
 from .engine import (EngineCallError, EngineConfigError, EngineTimeoutError, Generation,
                      InferenceEngine, WeightUpdate, check_pause_mode)
+
+
+def _still_running(exc: BaseException) -> bool:
+    """A ``/flush_cache`` refused with 400: requests still run, so it is worth another try."""
+    return isinstance(exc, EngineCallError) and exc.status == 400
 
 
 def _positive(name: str, value: float) -> None:
@@ -208,14 +214,9 @@ class SGLangEngine(InferenceEngine):
         tries = self.config.flush_attempts if attempts is None else attempts
         if isinstance(tries, bool) or not isinstance(tries, int) or tries < 1:
             raise EngineConfigError("attempts", attempts, "must be an integer >= 1")
-        for attempt in range(1, tries + 1):
-            try:
-                await self._call("POST", "/flush_cache", {})
-                return
-            except EngineCallError as exc:
-                if exc.status != 400 or attempt == tries:
-                    raise
-            await asyncio.sleep(self.config.flush_interval)
+        retrying = AsyncRetrying(stop=stop_after_attempt(tries), wait=wait_fixed(self.config.flush_interval),
+                                 retry=retry_if_exception(_still_running), sleep=asyncio.sleep, reraise=True)
+        await retrying(self._call, "POST", "/flush_cache", {})
 
     # -- weights ---------------------------------------------------------------------------
 
