@@ -46,9 +46,10 @@ from engine.workflows.checkpoint.confined import DirectoryRefused, confine, root
 from engine.workflows.checkpoint.confined import run as run_file_work
 from engine.workflows.checkpoint.restore import CheckpointNotFound, read_latest, read_manifest, start_restore
 from engine.workflows.checkpoint.retirement import InvalidRetirement, request_retirement
-from engine.workflows.checkpoint.rules import (ABORTABLE, MembershipIncomplete, MembershipMismatch, NoSuchCheckpoint,
-                                               NotAbortable, WorkflowOpen, abort_checkpoint, checkpoint_members,
-                                               refuse_while_open, restore_members)
+from engine.workflows.checkpoint.rules import (ABORTABLE, CheckpointMismatch, MembershipIncomplete, MembershipMismatch,
+                                               NoSuchCheckpoint, NotAbortable, NotPublished, WorkflowOpen,
+                                               abort_checkpoint, check_directory, check_manifest, checkpoint_members,
+                                               published_checkpoint, refuse_while_open, restore_members)
 from engine.workflows.checkpoint.names import STAGE_NAMES, TERMINAL
 
 if TYPE_CHECKING:  # annotations only: the service builds the families
@@ -134,7 +135,9 @@ def workflow_json(kind: str, row: Mapping[Any, Any], now: datetime) -> dict[str,
 REFUSALS: Refusals = {
     WorkflowOpen: lambda exc: ApiError(409, "checkpoint_open" if exc.kind == "checkpoints" else "restore_open",
                                        str(exc)),
-    NoSuchCheckpoint: lambda exc: ApiError(404, "not_found", str(exc)),
+    NoSuchCheckpoint: lambda exc: ApiError(404, "not_found", str(exc), exc.field),
+    NotPublished: lambda exc: ApiError(409, "checkpoint_not_published", str(exc), "checkpoint_id"),
+    CheckpointMismatch: lambda exc: ApiError(409, "checkpoint_mismatch", str(exc), exc.field),
     NotAbortable: lambda exc: ApiError(409, "not_abortable", str(exc)),
     MembershipIncomplete: lambda exc: ApiError(409, "membership_incomplete", str(exc), missing=exc.missing),
     MembershipMismatch: lambda exc: ApiError(409, "membership_mismatch", str(exc), "checkpoint_id",
@@ -237,23 +240,17 @@ def add_workflow_routes(app: web.Application, orch: Orchestrator, mutating: Call
                 # One answer whatever is there (nothing, a FIFO, garbage): a refusal reveals no paths.
                 raise ApiError(404, "not_found", "no published checkpoint is named by LATEST in the directory; "
                                                  "give checkpoint_id", "checkpoint_id") from None
-        published = await published_checkpoint(cid)
-        directory = directory_of(published["directory"])
-        if given is not None and given != directory:
-            raise ApiError(409, "checkpoint_mismatch", f"checkpoint {cid!r} was published under "
-                                                       f"{published['directory']}, not {given}", "directory")
+        async with orch.journal.read(snapshot=True) as conn:
+            published = await published_checkpoint(conn, cid)
+        directory = directory_of(published.directory)
+        check_directory(published, directory, given)
         try:
             manifest = await run_file_work(read_manifest, directory, cid)
         except (CheckpointNotFound, TimeoutError) as exc:
             reason = exc.reason if isinstance(exc, CheckpointNotFound) else "reading it timed out"
-            raise ApiError(409, "checkpoint_mismatch", f"checkpoint {cid!r} is published in the journal but its "
-                                                       f"manifest cannot be used: {reason}", "checkpoint_id") from None
-        differs = [what for what, ok in (("scope", sorted(manifest["scope"]) == sorted(published["scope"])),
-                                          ("members", manifest.get("members") == published["members"])) if not ok]
-        if differs:
-            raise ApiError(409, "checkpoint_mismatch", f"checkpoint {cid!r}: the {' and '.join(differs)} in its "
-                                                       "checkpoint.json differ from what the journal recorded at "
-                                                       "publication; nothing was restored", "checkpoint_id")
+            raise CheckpointMismatch(f"checkpoint {cid!r} is published in the journal but its manifest cannot be "
+                                     f"used: {reason}", "checkpoint_id") from None
+        check_manifest(published, manifest)
         scope = list(manifest["scope"])
         rid = new_id("rs", orch.clock.now())
 
@@ -264,26 +261,6 @@ def add_workflow_routes(app: web.Application, orch: Orchestrator, mutating: Call
         await orch.committer.run(write)
         return web.json_response({"restore_id": rid, "checkpoint_id": cid, "directory": directory,
                                   "episodes": len(scope)}, status=202, headers={"Location": f"/v1/restores/{rid}"})
-
-    async def published_checkpoint(cid: str) -> dict[str, Any]:
-        """The journal's record of checkpoint ``cid`` (directory, scope, members' manifests): refused
-        unless the journal says it was published."""
-        c, m = models.checkpoints, models.checkpoint_members
-        async with orch.journal.read(snapshot=True) as conn:
-            row = (await conn.execute(sa.select(c.c.state, c.c.checkpoint_dir, c.c.scope, c.c.manifest_path)
-                                      .where(c.c.id == cid))).first()
-            members = [] if row is None else (await conn.execute(
-                sa.select(m.c.participant, m.c.kind, m.c.manifest, m.c.episode_ids)
-                .where(m.c.checkpoint_id == cid))).all()
-        if row is None:
-            raise ApiError(404, "not_found", f"no checkpoint {cid!r} in the journal", "checkpoint_id")
-        if row.state != "done" or row.manifest_path is None:
-            raise ApiError(409, "checkpoint_not_published", f"checkpoint {cid!r} is {row.state}: only a checkpoint "
-                                                            "the journal records as published (done) can be restored",
-                           "checkpoint_id")
-        return {"directory": row.checkpoint_dir, "scope": row.scope or [],
-                "members": {r.participant: {"kind": r.kind, "manifest": r.manifest, "episode_ids": r.episode_ids}
-                            for r in members}}
 
     def retirement(op: str) -> Handler:
         async def handler(request: web.Request) -> web.Response:

@@ -9,6 +9,11 @@ raise typed exceptions (no HTTP here; the routes map them in :data:`engine.workf
   participants the checkpoint holds, by name and kind, each healthy (:func:`restore_members`);
 - **participants held closed**: from a checkpoint's prepare to its resume, and through a restore,
   no ``/run`` is sent and no retire or forget runs (:func:`open_workflow` says which holds them);
+- **restore only what was published**: a restore starts from a checkpoint the journal records as
+  published (``done``, with a manifest path; :func:`published_checkpoint`), in the directory it was
+  published under, whose ``checkpoint.json`` says the same scope and members as the journal did at
+  publication (:func:`check_manifest`), so a file changed or replaced behind the journal's back is
+  refused rather than restored;
 - **abort**: an operator may abort a checkpoint that is preparing, prepared, committing or
   committed (:data:`ABORTABLE`, read from the machine's edges into ``aborting``); it then moves as
   the controller's own abort does, under a fresh resume deadline (:func:`abort_checkpoint`).
@@ -16,6 +21,7 @@ raise typed exceptions (no HTTP here; the routes map them in :data:`engine.workf
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
@@ -90,9 +96,71 @@ async def restore_members(tx: WriteTx, checkpoint_id: str) -> None:
 
 
 class NoSuchCheckpoint(LookupError):
-    def __init__(self, checkpoint_id: str) -> None:
-        self.checkpoint_id = checkpoint_id
-        super().__init__(f"no checkpoint {checkpoint_id!r}")
+    """``field``: the request field that named it, when one did."""
+
+    def __init__(self, checkpoint_id: str, *, field: str | None = None, detail: str | None = None) -> None:
+        self.checkpoint_id, self.field = checkpoint_id, field
+        super().__init__(detail or f"no checkpoint {checkpoint_id!r}")
+
+
+class NotPublished(Exception):
+    def __init__(self, checkpoint_id: str, state: str) -> None:
+        self.checkpoint_id, self.state = checkpoint_id, state
+        super().__init__(f"checkpoint {checkpoint_id!r} is {state}: only a checkpoint the journal records as "
+                         "published (done) can be restored")
+
+
+class CheckpointMismatch(Exception):
+    """What is on disk (or asked for) is not what the journal published; ``field`` names the request field."""
+
+    def __init__(self, detail: str, field: str) -> None:
+        self.field = field
+        super().__init__(detail)
+
+
+@dataclass(frozen=True)
+class Published:
+    """The journal's record of a published checkpoint: its directory, scope and members' manifests."""
+
+    checkpoint_id: str
+    directory: str
+    scope: list[str]
+    members: dict[str, dict[str, Any]]
+
+
+async def published_checkpoint(conn: Any, checkpoint_id: str) -> Published:
+    """Checkpoint ``checkpoint_id`` as the journal recorded it; :class:`NoSuchCheckpoint` or
+    :class:`NotPublished` unless it was published. ``conn``: a snapshot read (or a transaction)."""
+    c, m = models.checkpoints, models.checkpoint_members
+    row = (await conn.execute(sa.select(c.c.state, c.c.checkpoint_dir, c.c.scope, c.c.manifest_path)
+                              .where(c.c.id == checkpoint_id))).first()
+    if row is None:
+        raise NoSuchCheckpoint(checkpoint_id, field="checkpoint_id",
+                               detail=f"no checkpoint {checkpoint_id!r} in the journal")
+    if row.state != "done" or row.manifest_path is None:
+        raise NotPublished(checkpoint_id, row.state)
+    members = (await conn.execute(sa.select(m.c.participant, m.c.kind, m.c.manifest, m.c.episode_ids)
+                                  .where(m.c.checkpoint_id == checkpoint_id))).all()
+    return Published(checkpoint_id, row.checkpoint_dir, list(row.scope or []),
+                     {r.participant: {"kind": r.kind, "manifest": r.manifest, "episode_ids": r.episode_ids}
+                      for r in members})
+
+
+def check_directory(published: Published, directory: str, given: str | None) -> None:
+    """A directory the request named must be the one the checkpoint was published under (both real paths)."""
+    if given is not None and given != directory:
+        raise CheckpointMismatch(f"checkpoint {published.checkpoint_id!r} was published under {published.directory}, "
+                                 f"not {given}", "directory")
+
+
+def check_manifest(published: Published, manifest: dict[str, Any]) -> None:
+    """The ``checkpoint.json`` read from disk must say the scope and members the journal recorded."""
+    differs = [what for what, ok in (("scope", sorted(manifest["scope"]) == sorted(published.scope)),
+                                      ("members", manifest.get("members") == published.members)) if not ok]
+    if differs:
+        raise CheckpointMismatch(f"checkpoint {published.checkpoint_id!r}: the {' and '.join(differs)} in its "
+                                 "checkpoint.json differ from what the journal recorded at publication; nothing "
+                                 "was restored", "checkpoint_id")
 
 
 class NotAbortable(Exception):
@@ -152,6 +220,7 @@ async def abort_checkpoint(tx: WriteTx, checkpoint_id: str, *, reason: str | Non
     return row.state
 
 
-__all__ = ["ABORTABLE", "MembershipIncomplete", "MembershipMismatch", "NoSuchCheckpoint", "NotAbortable",
-           "WorkflowOpen", "abort_checkpoint", "checkpoint_members", "open_workflow", "refuse_while_open",
+__all__ = ["ABORTABLE", "CheckpointMismatch", "MembershipIncomplete", "MembershipMismatch", "NoSuchCheckpoint",
+           "NotAbortable", "NotPublished", "Published", "WorkflowOpen", "abort_checkpoint", "check_directory",
+           "check_manifest", "checkpoint_members", "open_workflow", "published_checkpoint", "refuse_while_open",
            "restore_members"]
