@@ -18,12 +18,15 @@ fails, every submission of that batch gets :class:`journal.LeaseLost` and
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from journal import Committed, Fence, Journal, LeaseLost, StaleRow, WriteTx
 from journal.batch import Op
+
+from engine.runtime.metrics import Metrics
 
 T = TypeVar("T")
 WriteFn = Callable[[WriteTx], Awaitable[Any]]
@@ -47,8 +50,10 @@ class _Submission:
 
 class GroupCommitter:
     def __init__(self, journal: Journal, fence: Callable[[], Fence | None], *, max_batch: int = 256,
-                 on_lease_lost: Callable[[LeaseLost], None] | None = None) -> None:
+                 on_lease_lost: Callable[[LeaseLost], None] | None = None,
+                 metrics: Metrics | None = None) -> None:
         self._journal = journal
+        self._metrics = metrics
         self._fence = fence
         self._max_batch = max_batch
         self._on_lease_lost = on_lease_lost
@@ -153,6 +158,7 @@ class GroupCommitter:
             await self._run(batch, fence)
 
     async def _apply(self, batch: list[_Submission], fence: Fence) -> None:
+        started = time.perf_counter()
         try:
             outcomes = await self._journal.apply([sub.ops or () for sub in batch], fence)
         except (LeaseLost, asyncio.CancelledError) as exc:
@@ -168,7 +174,7 @@ class GroupCommitter:
             for sub in batch:
                 await self._apply([sub], fence)
             return
-        self._settle(batch, [(not isinstance(o, Exception), o) for o in outcomes])
+        self._settle(batch, [(not isinstance(o, Exception), o) for o in outcomes], started)
 
     def _fail(self, batch: list[_Submission], exc: BaseException) -> None:
         if isinstance(exc, LeaseLost) and self._on_lease_lost is not None:
@@ -179,6 +185,7 @@ class GroupCommitter:
 
     async def _run(self, batch: list[_Submission], fence: Fence) -> None:
         outcomes: list[tuple[bool, Any]] = []
+        started = time.perf_counter()
         try:
             async with self._journal.write(fence) as tx:
                 if len(batch) == 1:
@@ -199,10 +206,13 @@ class GroupCommitter:
             if not isinstance(exc, Exception):
                 raise
             return
-        self._settle(batch, outcomes)
+        self._settle(batch, outcomes, started)
 
-    def _settle(self, batch: list[_Submission], outcomes: list[tuple[bool, Any]]) -> None:
-        """After a commit: hand each submitter its result, or the exception that refused it."""
+    def _settle(self, batch: list[_Submission], outcomes: list[tuple[bool, Any]], started: float) -> None:
+        """After a commit (begun at ``started``, ``perf_counter`` seconds): time it, and hand each
+        submitter its result, or the exception that refused it."""
+        if self._metrics is not None:
+            self._metrics.commit_seconds.observe(time.perf_counter() - started)
         self.commits += 1
         self.writes += len(batch)
         for sub, (ok, value) in zip(batch, outcomes):

@@ -13,6 +13,8 @@ Series (names as exposed):
 - ``tidelog_reconcile_seconds{kind}`` histogram (``_bucket``/``_sum``/``_count``)
 - ``tidelog_rpc_calls_total{method,outcome}`` counter
 - ``tidelog_rpc_seconds{method}`` histogram (``_bucket``/``_sum``/``_count``)
+- ``tidelog_commit_seconds`` histogram: one group commit (the write transaction that carries a
+  batch of transitions), from its start to its commit
 - ``tidelog_discovery_probes_total{result}`` counter
 - ``tidelog_group_commits``, ``tidelog_group_commit_writes``, ``tidelog_queue_depth``,
   ``tidelog_leader``, ``tidelog_lease_epoch`` gauges
@@ -38,7 +40,7 @@ from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
-__all__ = ["CONTENT_TYPE", "LATENCY_BUCKETS", "Metrics"]
+__all__ = ["COMMIT_BUCKETS", "CONTENT_TYPE", "LATENCY_BUCKETS", "Metrics"]
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -46,6 +48,10 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 # slow remote runs to the call's deadline (tens of seconds).
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
                    60.0, float("inf"))
+# Group commits: a commit (one fsync) is a fraction of a millisecond to a few; a large batch or a
+# busy database takes longer.
+COMMIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                  float("inf"))
 
 class Metrics:
     """Every series the orchestrator exports, on a registry of its own."""
@@ -63,6 +69,10 @@ class Metrics:
                                  ["method", "outcome"], registry=r)
         self.rpc_seconds = Histogram("tidelog_rpc_seconds", "Duration of dispatched RPC attempts.",
                                      ["method"], buckets=LATENCY_BUCKETS, registry=r)
+        self.commit_seconds = Histogram("tidelog_commit_seconds",
+                                        "Duration of one group commit (a write transaction carrying a batch "
+                                        "of transitions), from its start to its commit.",
+                                        buckets=COMMIT_BUCKETS, registry=r)
         self.probes = Counter("tidelog_discovery_probes", "Participant status probes by result.",
                               ["result"], registry=r)
         self.commits = Gauge("tidelog_group_commits", "Write transactions committed by the group committer.",

@@ -66,7 +66,7 @@ class Orchestrator:
                              renew_s=settings.orchestrator.lease_renew_s, on_elected=self._elected,
                              on_lost=self._lost)
         self.committer = GroupCommitter(self.journal, self.leader.fence, max_batch=settings.reconciler.max_batch,
-                                        on_lease_lost=self.leader.lost)
+                                        on_lease_lost=self.leader.lost, metrics=self.metrics)
         r = settings.rpc
         self.rpc = RpcClient(token=settings.token(), epoch=lambda: self.leader.last_epoch,
                              lineage=lambda: self.leader.last_lineage,

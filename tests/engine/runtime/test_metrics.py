@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -11,12 +12,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine.runtime.clock import SystemClock
 from engine.runtime.committer import GroupCommitter
 from engine.runtime.dispatcher import Dispatcher
-from engine.runtime.metrics import CONTENT_TYPE, Metrics
+from engine.runtime.metrics import COMMIT_BUCKETS, CONTENT_TYPE, Metrics
 from engine.runtime.rpc import RpcClient
 from engine.runtime.service import Orchestrator
-from journal import Journal, lease
+from journal import Journal, WriteTx, lease
 from tests.engine.http.test_api import api  # noqa: F401 - the fixture, shared
 from tests.engine.runtime.test_dispatcher import Scripted, queue, remote, wait_settled  # noqa: F401
+from tests.support.gauges import C, T, open_gauge_journal
 from tests.support.participant_server import StatusServer
 
 
@@ -77,6 +79,36 @@ async def test_a_dispatched_call_lands_in_the_rpc_histogram(journal: Journal, re
                   outcome="RemoteError") == 1
 
 
+async def test_each_group_commit_lands_in_the_commit_histogram(make_journal: Callable[..., Journal]) -> None:
+    journal = await open_gauge_journal(make_journal, actor="orch-m")
+    await journal.apply([[C("g1"), C("g2")]])
+    held = await lease.acquire(journal, "leader", "orch-m", 60)
+    assert held is not None
+    m = Metrics(process=False)
+    committer = GroupCommitter(journal, held.fence, metrics=m)
+
+    async def move(tx: WriteTx) -> None:
+        await tx.transition("gauges", "g2", from_state="new", version=1, to_state="on", reason="run")
+    try:
+        await committer.apply(T("g1", "new", 1, "on"))  # a declarative commit
+        await committer.run(move)  # a read-decide-write commit
+    finally:
+        await committer.close()
+    assert committer.commits == 2
+
+    text = m.render().decode()
+    assert "# HELP tidelog_commit_seconds Duration of one group commit" in text
+    f = families(text)
+    assert f["tidelog_commit_seconds"].type == "histogram"
+    assert sample(f, "tidelog_commit_seconds", "tidelog_commit_seconds_count") == 2
+    assert sample(f, "tidelog_commit_seconds", "tidelog_commit_seconds_sum") > 0
+    buckets = {s.labels["le"]: s.value for s in f["tidelog_commit_seconds"].samples
+               if s.name == "tidelog_commit_seconds_bucket"}
+    assert set(buckets) == {"+Inf" if b == float("inf") else str(b) for b in COMMIT_BUCKETS}
+    assert buckets["+Inf"] == 2
+    assert list(buckets.values()) == sorted(buckets.values())  # cumulative
+
+
 async def test_metrics_endpoint_is_the_standard_exposition(api: tuple[str, Orchestrator, StatusServer]) -> None:  # noqa: F811
     base, orch, _ = api
     async with aiohttp.ClientSession() as s, s.get(f"{base}/metrics") as r:
@@ -86,6 +118,7 @@ async def test_metrics_endpoint_is_the_standard_exposition(api: tuple[str, Orche
     f = families(text)
     expected = {"tidelog_reconciles": "counter", "tidelog_reconcile_seconds": "histogram",
                 "tidelog_rpc_calls": "counter", "tidelog_rpc_seconds": "histogram",
+                "tidelog_commit_seconds": "histogram",
                 "tidelog_discovery_probes": "counter", "tidelog_group_commits": "gauge",
                 "tidelog_group_commit_writes": "gauge", "tidelog_queue_depth": "gauge", "tidelog_leader": "gauge",
                 "tidelog_lease_epoch": "gauge", "tidelog_entities": "gauge"}
@@ -99,5 +132,9 @@ async def test_metrics_endpoint_is_the_standard_exposition(api: tuple[str, Orche
     assert count >= 1
     assert sample(f, "tidelog_reconcile_seconds", "tidelog_reconcile_seconds_bucket", kind="participants",
                   le="+Inf") == count
+    # Those transitions were written by the orchestrator's group committer: its commits are timed.
+    commits = sample(f, "tidelog_commit_seconds", "tidelog_commit_seconds_count")
+    assert commits >= 1
+    assert sample(f, "tidelog_commit_seconds", "tidelog_commit_seconds_bucket", le="+Inf") == commits
     assert "python_info" in f
     assert orch.metrics.registry is not Metrics().registry
