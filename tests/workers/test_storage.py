@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.support.checkpoints import CORRUPT_MANIFESTS, corrupt_manifest
-from workers.participant import storage
+from workers.participant import _storage_paths, storage
 from workers.participant.storage import (
     MANIFEST,
     WriteStop,
@@ -352,7 +352,7 @@ def test_a_retry_that_finds_its_manifest_syncs_the_directory_first(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A write can link its manifest and then fail to sync the directory; its retry syncs it."""
     directory = participant_dir(tmp_path, KIND, INSTANCE)
-    real_fsync_dir = storage._fsync_dir
+    real_fsync_dir = _storage_paths._fsync_dir
     synced: list[tuple[Path, bool]] = []
     failed = []
 
@@ -364,7 +364,7 @@ def test_a_retry_that_finds_its_manifest_syncs_the_directory_first(
         real_fsync_dir(fd, path)
         synced.append((path, published))
 
-    monkeypatch.setattr(storage, "_fsync_dir", flaky)
+    monkeypatch.setattr(_storage_paths, "_fsync_dir", flaky)
     with pytest.raises(ProtocolError) as info:
         write_records(tmp_path, KIND, INSTANCE, "ck-1", records([1, 2]))
     assert info.value.code is ErrorCode.INVALID_CHECKPOINT_STATE and (directory / MANIFEST).exists()
