@@ -23,6 +23,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt
+
 from journal import Committed, Fence, Journal, LeaseLost, StaleRow, WriteTx
 from journal.batch import Op
 
@@ -73,12 +75,11 @@ class GroupCommitter:
         ``tries`` times; the last :class:`StaleRow` propagates for the caller to refuse."""
         if tries < 1:
             raise ValueError(f"tries must be at least 1, not {tries}")
-        for _ in range(tries - 1):
-            try:
-                return await self.run(fn)
-            except StaleRow:
-                continue
-        return await self.run(fn)
+        # No wait between tries: the row moved, so the next read sees its new version at once.
+        retrying = AsyncRetrying(retry=retry_if_exception_type(StaleRow), stop=stop_after_attempt(tries),
+                                 reraise=True)
+        result: T = await retrying(self.run, fn)
+        return result
 
     async def apply(self, *ops: Op) -> list[Committed | None]:
         """Apply declarative operations (all-or-nothing) in a shared fenced transaction.
