@@ -9,7 +9,14 @@ compare them with its own clock and with the orchestrator's).
 
 Each environment server runs ``--episodes`` episodes that step forever (a ``replay`` step of
 ``--step-s`` seconds, then a boundary), so a checkpoint parks and exports real episodes and the
-commit scope is not empty.
+commit scope is not empty (``--episodes 0``: none).
+
+Each environment server also serves ``POST /run`` (``bench/rollouts.py`` dispatches through it): body
+``{"rollout_id": "<id>" | "<id>-a<N>", "task": {"hold"?: bool}}``. The attempt runs as a kit episode of
+one step: a boundary, one ``replay`` step, a boundary, then the reply ``{"rollout_id", "attempt",
+"reward"}``. A ``hold`` task's step lasts until ``POST /release`` (so it is in flight while a
+checkpoint runs); any other's step is immediate. A refusal (``checkpoint_parked``, ``stale_attempt``)
+is the protocol's typed error body.
 
 A small admin application on its own port serves the bench:
 
@@ -18,7 +25,11 @@ A small admin application on its own port serves the bench:
 - ``POST /reset``: forget the records;
 - ``POST /block?server=NAME``: start, on that environment server, an episode whose next step is a
   ``wait`` step that lasts until ``POST /unblock`` — a prepare of that server then waits (the
-  recovery scenario's checkpoint stays open).
+  recovery scenario's checkpoint stays open);
+- ``POST /release``: end the step of every ``hold`` rollout, now and from now on (``POST
+  /hold`` makes new ``hold`` rollouts wait again);
+- ``GET /episodes``: ``{"live": N, "runs": M}``, the episodes in progress on this process's
+  environment servers and the ``/run`` attempts they finished.
 
 The process prints one JSON line ``{"admin": url, "servers": [{"name", "kind", "url"}, ...]}`` once
 every server listens, and runs until SIGTERM/SIGINT or until its stdin closes. The control token
@@ -50,7 +61,8 @@ from workers.participant.base import Participant  # noqa: E402
 from workers.participant.kinds import (AgentParticipant, EnvironmentParticipant,  # noqa: E402
                                        PolicyModelParticipant, ResourcesParticipant)
 from workers.participant.routes import CONTROL_MAX_SIZE  # noqa: E402
-from workers.protocol import CONTROL_PREFIX, EpisodeId  # noqa: E402
+from workers.protocol import CONTROL_PREFIX, EpisodeId, ErrorCode, ProtocolError  # noqa: E402
+from workers.reference._common import json_response, protocol_errors, read_json  # noqa: E402
 
 KINDS = ("environment", "model", "agent", "resources")
 OPS = {f"{CONTROL_PREFIX}/{op}": op for op in ("prepare", "commit", "resume", "renew", "restore", "retire",
@@ -73,6 +85,9 @@ class Fleet:
         self.log: list[list[Any]] = []
         self.envs: dict[str, EnvironmentParticipant] = {}
         self.unblock = asyncio.Event()
+        self.released = asyncio.Event()
+        self.live = 0
+        self.runs = 0
         self.tasks: set[asyncio.Task[Any]] = set()
         self.runners: list[web.AppRunner] = []
 
@@ -114,6 +129,28 @@ class Fleet:
             async with ep.step("wait"):
                 await self.unblock.wait()
 
+    def run_route(self, participant: EnvironmentParticipant) -> Any:
+        async def run(request: web.Request) -> web.Response:
+            body = await read_json(request)
+            try:
+                episode = EpisodeId.from_capture_key(body["rollout_id"])
+                task = body["task"]
+            except (KeyError, TypeError, ValueError):
+                raise ProtocolError(ErrorCode.INVALID_REQUEST, "a /run body is {rollout_id, task}") from None
+            async with participant.episode(episode, task) as ep:
+                self.live += 1
+                try:
+                    await ep.boundary({"step": 0})
+                    async with ep.step("replay"):
+                        if isinstance(task, dict) and task.get("hold"):
+                            await self.released.wait()
+                    await ep.boundary({"step": 1})
+                finally:
+                    self.live -= 1
+            self.runs += 1
+            return json_response({"rollout_id": episode.rollout_id, "attempt": episode.attempt, "reward": 1.0})
+        return run
+
     def spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self.tasks.add(task)
@@ -123,13 +160,16 @@ class Fleet:
         a = self.args
         servers = []
         for i in range(a.first, a.first + a.servers):
-            kind = KINDS[i % len(KINDS)]
+            kind = a.kinds[i % len(a.kinds)]
             name = f"{kind}-{i:04d}"
             participant = build(kind, name)
             control = ControlPlane(participant, state_dir=Path(a.state_dir) / name,
                                    checkpoint_root=a.checkpoint_root or Path(a.state_dir).resolve().parent)
-            app = web.Application(client_max_size=CONTROL_MAX_SIZE, middlewares=[self.middleware(name)])
+            app = web.Application(client_max_size=CONTROL_MAX_SIZE,
+                                  middlewares=[self.middleware(name), protocol_errors])
             mount(app, control, token=os.environ["TIDELOG_CONTROL_TOKEN"])
+            if isinstance(participant, EnvironmentParticipant):
+                app.router.add_post("/run", self.run_route(participant))
             runner = web.AppRunner(app, access_log=None)
             await runner.setup()
             site = web.TCPSite(runner, "127.0.0.1", 0, backlog=1024)
@@ -146,6 +186,9 @@ class Fleet:
         admin.router.add_post("/reset", self.reset)
         admin.router.add_post("/block", self.block)
         admin.router.add_post("/unblock", self.release)
+        admin.router.add_post("/release", self.release_holds)
+        admin.router.add_post("/hold", self.hold)
+        admin.router.add_get("/episodes", self.episodes)
         runner = web.AppRunner(admin, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -169,6 +212,17 @@ class Fleet:
     async def release(self, _request: web.Request) -> web.Response:
         self.unblock.set()
         return web.json_response({"ok": True})
+
+    async def release_holds(self, _request: web.Request) -> web.Response:
+        self.released.set()
+        return web.json_response({"ok": True})
+
+    async def hold(self, _request: web.Request) -> web.Response:
+        self.released.clear()
+        return web.json_response({"ok": True})
+
+    async def episodes(self, _request: web.Request) -> web.Response:
+        return web.json_response({"live": self.live, "runs": self.runs})
 
     async def close(self) -> None:
         for task in list(self.tasks):
@@ -203,6 +257,8 @@ def main() -> int:
                    help="where every checkpoint must lie (default: the state directory's parent)")
     p.add_argument("--episodes", type=int, default=2, help="live episodes per environment server")
     p.add_argument("--step-s", type=float, default=0.5, help="length of an episode's replay step")
+    p.add_argument("--kinds", type=lambda v: tuple(v.split(",")), default=KINDS,
+                   help="the kinds, round-robin over the servers (default: all four)")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     asyncio.run(main_async(args))

@@ -4,8 +4,10 @@ Participants: ``--procs`` processes (``bench/_fanout_participants.py``), each se
 ``--participants / --procs`` real participants from ``workers/participant`` in one event loop, one
 aiohttp server per participant on its own loopback port, the kinds spread evenly (64 environment,
 64 model, 64 agent, 64 resources by default, so prepare runs four stages). Each environment server
-runs ``--episodes`` live episodes, which a checkpoint parks and exports. Every participant records,
-per control call, when the request reached its handler and when the reply was ready.
+runs ``--episodes`` live episodes, which a checkpoint parks and exports; each is a ``dispatched``
+row of the journal's ``rollouts`` (written by the bench, as if Tidelog had sent its ``/run``), since
+the commit scope is the journal's. Every participant records, per control call, when the request
+reached its handler and when the reply was ready.
 
 **Fan-out** (per journal backend: a SQLite file in WAL with ``synchronous=FULL``; PostgreSQL on
 ``TIDELOG_BENCH_POSTGRES_URL`` or 127.0.0.1:5432). An :class:`~engine.runtime.service.Orchestrator` (the
@@ -13,12 +15,12 @@ defaults of ``config.example.yaml``, but ``discovery.interval_s`` 600 so that no
 of the 256 servers lands in a measured checkpoint) runs in this process; once every participant is
 ``healthy`` and a warm-up checkpoint is done, ``--rounds`` checkpoints are timed, each from the commit of
 ``start_checkpoint`` to the commit that moves its row to ``done``: prepare stage by stage, commit
-(environments first, then the rest with the scope), publish, resume in reverse stage order. The
-journal's commit listener stamps both ends.
+(every member at once, with the scope read from the journal's rollouts), publish, resume in
+reverse stage order. The journal's commit listener stamps both ends.
 
-- ``own_work_s`` — the participants' own work: for each of the ten sequential steps (4 prepare
-  stages, 2 commit waves, 4 resume stages) the longest handling time among that step's members
-  (they run concurrently), summed;
+- ``own_work_s`` — the participants' own work: for each of the nine sequential steps (4 prepare
+  stages, the commit, 4 resume stages) the longest handling time among that step's members (they
+  run concurrently), summed;
 - ``overhead_s = wall_s - own_work_s``: what the coordinator adds (target: <= 1.0 s for Tidelog);
 - ``peer``: in the same run, alternating with Tidelog's checkpoints, a direct coordinator without a
   journal (aiohttp, every member of a step at once, the same order and bodies, the same
@@ -143,6 +145,10 @@ class Participants:
             self.servers += [Server(s["name"], s["kind"], s["url"], info["admin"]) for s in info["servers"]]
         self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60))
 
+    def live_episodes(self) -> list[str]:
+        """The capture keys of the episodes the environment servers run on their own (``--episodes``)."""
+        return [f"{s.name}-r{e}" for s in self.servers if s.kind == "environment" for e in range(self.episodes)]
+
     def kind_of(self) -> dict[str, str]:
         return {s.name: s.kind for s in self.servers}
 
@@ -185,16 +191,16 @@ class Participants:
 # -- the participants' own work, from their logs ------------------------------------------------
 
 def steps_of(log: Sequence[list[Any]], kinds: dict[str, str]) -> list[dict[str, Any]]:
-    """The checkpoint's ten sequential steps, from the control requests the participants logged."""
+    """The checkpoint's nine sequential steps, from the control requests the participants logged."""
     groups: dict[tuple[str, str], list[list[Any]]] = {}
     for rec in log:
         name, op = rec[0], rec[1]
         kind = kinds[name]
         if op == "commit":
-            groups.setdefault(("commit", "environment" if kind == "environment" else "others"), []).append(rec)
+            groups.setdefault(("commit", "every member"), []).append(rec)
         elif op in ("prepare", "resume"):
             groups.setdefault((op, kind), []).append(rec)
-    order = ([("prepare", k) for k in STAGES] + [("commit", "environment"), ("commit", "others")]
+    order = ([("prepare", k) for k in STAGES] + [("commit", "every member")]
              + [("resume", k) for k in reversed(STAGES)])
     steps = []
     for key in order:
@@ -232,8 +238,7 @@ def analyse(started: float, finished: float, log: Sequence[list[Any]], kinds: di
 def expected_requests(servers: Sequence[Server]) -> dict[str, int]:
     count = {k: sum(1 for s in servers if s.kind == k) for k in STAGES}
     out = {f"prepare {k}": n for k, n in count.items()} | {f"resume {k}": n for k, n in count.items()}
-    out["commit environment"] = count["environment"]
-    out["commit others"] = len(servers) - count["environment"]
+    out["commit every member"] = len(servers)
     return out
 
 
@@ -257,8 +262,10 @@ def write_atomically(path: Path, data: bytes) -> None:
 class Peer:
     """The checkpoint a coordinator with no journal would run: the same calls, every step at once."""
 
-    def __init__(self, servers: Sequence[Server]) -> None:
+    def __init__(self, servers: Sequence[Server], episodes: Sequence[str] = ()) -> None:
         self.servers = list(servers)
+        #: The capture keys of the episodes this coordinator sent (its own record, as the journal is Tidelog's).
+        self.episodes = list(episodes)
         self.http: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -293,17 +300,15 @@ class Peer:
             restarts |= {k for r in replies for k in r["report"]["restarts"]}
         directory = str(root / cid)
         deadline = time.time() + 120
-        envs, others = stages[0], [s for st in stages[1:] for s in st]
-        env_replies = await self.fan(envs, "commit", {"checkpoint_id": cid, "deadline_ts": deadline,
-                                                      "checkpoint_dir": directory})
-        scope = sorted({k for r in env_replies for k in r["episode_ids"]} - restarts)
+        members = [s for st in stages for s in st]
+        scope = sorted(set(self.episodes) - restarts)
         episodes = [EpisodeId.from_capture_key(k).model_dump() for k in scope]
-        other_replies = await self.fan(others, "commit", {"checkpoint_id": cid, "deadline_ts": deadline,
-                                                          "checkpoint_dir": directory, "episode_ids": episodes})
+        replies = await self.fan(members, "commit", {"checkpoint_id": cid, "deadline_ts": deadline,
+                                                     "checkpoint_dir": directory, "episode_ids": episodes})
         manifest = {"checkpoint_id": cid, "scope": scope, "restarts": sorted(restarts),
                     "members": {m.name: {"kind": m.kind, "manifest": r["manifest"],
                                          "episode_ids": r["episode_ids"]}
-                                for m, r in zip([*envs, *others], [*env_replies, *other_replies])}}
+                                for m, r in zip(members, replies)}}
         await asyncio.to_thread(write_atomically, root / cid / "checkpoint.json",
                                 json.dumps(manifest, indent=1, sort_keys=True).encode())
         await asyncio.to_thread(write_atomically, root / "LATEST", (cid + "\n").encode())
@@ -443,6 +448,15 @@ async def fanout(backend: str, tmp: Path, parts: Participants, peer: Peer, round
             async with orch.journal.read() as conn:
                 rows = [to_row("participants", r._mapping)
                         for r in (await conn.execute(sa.select(models.participants))).all()]
+            # The live episodes as the journal's rollouts (dispatched, no run_call: sent by
+            # "someone else", which the rollout controller leaves alone): they are the scope.
+            live = parts.live_episodes()
+            outcomes = await orch.journal.apply([[
+                Create("rollouts", key, "dispatched (bench)", {"attempt": 0, "task": {"episode": key},
+                                                              "environment": key.rsplit("-r", 1)[0]},
+                       state="dispatched") for key in live]])
+            if isinstance(outcomes[0], Exception):
+                raise outcomes[0]
 
             async def one(cid: str) -> tuple[float, float]:
                 ended[cid] = asyncio.Event()
@@ -471,14 +485,14 @@ async def fanout(backend: str, tmp: Path, parts: Participants, peer: Peer, round
                 theirs[-1]["cpu_s"] = cpu
                 await parts.reset()
                 commits = orch.committer.commits
-                reconciles = orch.metrics.reconciles.get(kind="checkpoints", outcome="ok")
+                reconciles = (orch.metrics.registry.get_sample_value("tidelog_reconciles_total", {"kind": "checkpoints", "outcome": "ok"}) or 0)
                 cpu = time.process_time()
                 started, finished = await one(f"ck-{backend}-{r}")
                 cpu = time.process_time() - cpu
                 ours.append(analyse(started, finished, await parts.log(), kinds, expected))
                 ours[-1]["cpu_s"] = cpu
                 ours[-1]["group_commits"] = orch.committer.commits - commits
-                ours[-1]["reconciles"] = orch.metrics.reconciles.get(kind="checkpoints", outcome="ok") - reconciles
+                ours[-1]["reconciles"] = (orch.metrics.registry.get_sample_value("tidelog_reconciles_total", {"kind": "checkpoints", "outcome": "ok"}) or 0) - reconciles
                 print(f"[{backend}] round {r}: tidelog {ours[-1]['wall_s']:.3f} s (own work "
                       f"{ours[-1]['own_work_s']:.3f}, overhead {ours[-1]['overhead_s']:.3f}); peer "
                       f"{theirs[-1]['wall_s']:.3f} s (own work {theirs[-1]['own_work_s']:.3f}, overhead "
@@ -681,7 +695,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         peer = Peer([])
         try:
             await parts.start()
-            peer.servers = parts.servers
+            peer.servers, peer.episodes = parts.servers, parts.live_episodes()
             await peer.start()
             print(f"{len(parts.servers)} participants in {args.procs} processes", flush=True)
             peers: list[dict[str, Any]] = []

@@ -48,7 +48,7 @@ from _dbos_peer import measure as measure_dbos  # noqa: E402
 
 from engine.runtime.clock import SystemClock  # noqa: E402
 from engine.runtime.committer import GroupCommitter  # noqa: E402
-from engine.runtime.reconciler import Context, Reconciler, Result  # noqa: E402
+from engine.runtime.reconciler import BaseController, Context, Reconciler, Result  # noqa: E402
 from journal import EntityKind, Journal, StateMachine, Transition, lease, schema  # noqa: E402
 from journal.models import entity_columns  # noqa: E402
 
@@ -109,7 +109,7 @@ async def tidelog_sequential(url: str, n: int, interactive: bool) -> float:
         await journal.dispose()
 
 
-class StepController:
+class StepController(BaseController):
     """Advance ``n`` by one per reconcile until it reaches ``steps``, then finish."""
 
     kind = KIND
