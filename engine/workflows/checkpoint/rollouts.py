@@ -47,6 +47,7 @@ The row's ``detail`` says why its last attempt ended.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import heapq
 import logging
@@ -145,6 +146,8 @@ class RolloutController(BaseController):
         # row done while a forget batch is open (it waits for the next) and a row just forgotten
         # (terminal). Any other wake-up clears the mark first.
         self._unneeded: set[str] = set()
+        # Parked rows woken for a free slot and not looked at yet (see _pass_on).
+        self._woken: set[str] = set()
         # A dispatch round is being written (and another was asked for meanwhile).
         self._dispatching = False
         self._again = False
@@ -172,6 +175,11 @@ class RolloutController(BaseController):
                     # Done while a forget batch is open: it waits for the next, as its look would decide.
                     self._done[c.entity_id] = None
                     self._unneeded.add(c.entity_id)
+                else:
+                    # Any other move (a restore re-pinning it, say) must be looked at: no skip.
+                    self._unneeded.discard(c.entity_id)
+                    if c.from_state == "pending" and c.to_state != "pending":
+                        self._parked.pop(c.entity_id, None)
         for c in committed:
             if c.kind == KIND and c.from_state == "dispatched" and c.to_state != "dispatched":
                 freed += 1
@@ -199,7 +207,20 @@ class RolloutController(BaseController):
         for entity_id in list(parked)[:n]:
             del parked[entity_id]
             self._unneeded.discard(entity_id)
+            if parked is self._parked:
+                self._woken.add(entity_id)
             self._enqueue(KIND, entity_id)
+
+    def _pass_on(self, entity_id: str) -> None:
+        """A row woken for a free slot that is no longer pending (another round took it after it
+        parked): the wake-up goes to the next parked row, so the slot is not left empty."""
+        if entity_id in self._woken:
+            self._woken.discard(entity_id)
+            self._wake(1, self._parked)
+
+    def _wake_later(self, after: float) -> None:
+        """Wake one parked row in ``after`` seconds (its round fills every slot free then)."""
+        asyncio.get_running_loop().call_later(max(after, 0.0), self._wake, 1, self._parked)
 
     async def lost(self) -> None:
         """The lease was lost (the loops have stopped): what this controller knew of the rows is
@@ -208,6 +229,7 @@ class RolloutController(BaseController):
         self._parked.clear()
         self._done.clear()
         self._unneeded.clear()
+        self._woken.clear()
         self._full_at = None
         self._batch_open_at = None
         self._dispatching = self._again = False
@@ -224,6 +246,10 @@ class RolloutController(BaseController):
             self._unneeded.discard(entity_id)
             return Result()
         row = await ctx.get(KIND, entity_id)
+        if row is None or row.state != "pending":
+            self._pass_on(entity_id)
+        else:
+            self._woken.discard(entity_id)
         if row is None:
             return Result()
         if row.state == "pending":
@@ -269,8 +295,10 @@ class RolloutController(BaseController):
         # Least busy first, then by name: a heap of (in flight, name, url), one slot taken at a time.
         heap = [(busy.get(e.id, 0), e.id, e.url) for e in envs if busy.get(e.id, 0) < self.settings.per_environment]
         if not heap:
+            # A cooling environment may have room once its cooldown ends, which no commit announces.
             raise Parked(f"every environment server has {self.settings.per_environment} attempts in flight "
-                         "(rollouts.per_environment)")
+                         "(rollouts.per_environment)" + (" or refused an attempt just now" if cooling else ""),
+                         after=min(cooling) - now if cooling else None)
         heapq.heapify(heap)
         slots: list[Slot] = []
         while heap and len(slots) < room:
@@ -317,14 +345,14 @@ class RolloutController(BaseController):
                 return Result()
         if pinned is not None:
             try:
-                await self._round(ctx, row.id, pinned, now)
+                await self._round(ctx, row, pinned, now)
             except Parked as exc:
                 return self._park(row, exc, wakes)
             return Result()
-        self._dispatching = True
+        self._dispatching, self._again = True, False
         try:
             try:
-                await self._round(ctx, row.id, None, now)
+                await self._round(ctx, row, None, now)
             except Parked as exc:
                 return self._park(row, exc, wakes)
             while self._again:
@@ -333,29 +361,42 @@ class RolloutController(BaseController):
                 try:
                     await self._round(ctx, None, None, ctx.clock.time())
                 except Parked as exc:
-                    if exc.after is None and self._slot_wakes == wakes:
+                    # The rows that asked for this round are parked: a commit that frees a slot
+                    # wakes them, or (a cooling environment) a timer does.
+                    if exc.after is not None:
+                        self._wake_later(exc.after)
+                    elif self._slot_wakes == wakes:
                         self._full_at = (wakes, exc)
+                    else:
+                        self._again = True  # a slot freed meanwhile: look again
+                        continue
                     break
+        except BaseException:
+            self._wake(1, self._parked)  # a failed round must not strand the rows that asked for it
+            raise
         finally:
-            self._dispatching = False
+            self._dispatching = self._again = False
         return Result()
 
-    async def _round(self, ctx: Context, first: str | None, pinned: str | None, now: float) -> list[str]:
-        """One write that dispatches ``first`` (if still pending) and, unless it is ``pinned`` to an
-        environment, the oldest other unpinned pending rows, one per free slot; the ids sent.
-        Raises :class:`Parked` (nothing written) when no slot is free."""
+    async def _round(self, ctx: Context, first: Row | None, pinned: str | None, now: float) -> list[str]:
+        """One write that dispatches ``first`` (if still at the version read, so as the pending row
+        it was, pinned or not) and, unless it is ``pinned`` to an environment, the oldest other
+        unpinned pending rows, one per free slot; the ids sent. Raises :class:`Parked` (nothing
+        written) when no slot is free."""
         async def write(tx: WriteTx) -> list[str]:
             slots = await self._slots(tx, now, pinned)
             t = models.rollouts
             query = sa.select(t.c.id, t.c.version, t.c.attempt, t.c.task).where(t.c.state == "pending")
+            mine = None if first is None else sa.and_(t.c.id == first.id, t.c.version == first.version)
             if pinned is not None:
-                query = query.where(t.c.id == first)
+                assert mine is not None
+                query = query.where(mine)
             else:
                 order: list[Any] = [t.c.created_at, t.c.id]
                 if first is not None:
-                    order.insert(0, sa.case((t.c.id == first, 0), else_=1))
-                query = (query.where(t.c.restored_on.is_(None) if first is None else
-                                     sa.or_(t.c.id == first, t.c.restored_on.is_(None)))
+                    order.insert(0, sa.case((t.c.id == first.id, 0), else_=1))
+                query = (query.where(t.c.restored_on.is_(None) if mine is None else
+                                     sa.or_(mine, t.c.restored_on.is_(None)))
                          .order_by(*order).limit(len(slots)))
             taken = (await tx.execute(query)).all()
             head = await self._head(tx) if taken else None

@@ -184,3 +184,55 @@ async def test_a_rollout_done_while_a_forget_batch_is_open_waits_for_the_next_wi
     await controller.reconcile(ctx, "r1")
     # (The batch's end was only announced here, so the journal still holds it open: r1 waits again.)
     assert reads == ["rollouts:r1"] and "r1" in controller._done
+
+
+async def _dispatched_on(ctx: Context, env: str, ids: list[str]) -> None:
+    async def rows(tx: WriteTx) -> None:
+        for rid in ids:
+            await tx.create("rollouts", rid, reason="t", state="pending", values={"attempt": 0, "task": {"id": rid}})
+            await tx.transition("rollouts", rid, from_state="pending", version=1, to_state="dispatched",
+                                reason="t", changes={"environment": env})
+    await ctx.write(rows)
+
+
+async def test_a_cooling_environment_bounds_the_wait_of_a_row_that_finds_the_others_full(ctx: Context) -> None:
+    # env-0 is full and env-1 refused an attempt a moment ago: the row may go to env-1 once its
+    # cooldown ends, which no commit announces, so it must look again then (not park until a slot frees).
+    await _fleet(ctx, envs=2, pending=1)
+    await _dispatched_on(ctx, "env-0", ["busy-0", "busy-1"])
+    controller = RolloutController(RolloutSettings(max_in_flight=10, per_environment=2))
+    controller.attach(lambda kind, entity_id: None)
+    controller._cooling["env-1"] = ctx.clock.time() + 2.0
+    result = await controller.reconcile(ctx, "r0")
+    assert result.requeue_after is not None and 0 < result.requeue_after <= 2.0
+    assert controller._full_at is None  # not remembered as "full until a commit frees a slot"
+
+
+async def test_a_round_does_not_take_its_own_row_once_a_restore_pinned_it_meanwhile(ctx: Context) -> None:
+    await _fleet(ctx, envs=2, pending=2)
+    controller = RolloutController()
+    controller.attach(lambda kind, entity_id: None)
+    stale = await ctx.get("rollouts", "r0")
+    assert stale is not None
+
+    async def pin(tx: WriteTx) -> None:  # a restore's end, committed between the row's read and its round
+        await tx.transition("rollouts", "r0", from_state="pending", version=stale.version, to_state="pending",
+                            reason="restored", changes={"restored_on": "env-1", "attempt": 1})
+    await ctx.write(pin)
+    await controller._dispatch(ctx, stale)
+    states = await _states(ctx)
+    assert states["r0"] == ("pending", None)  # left for its own look, pinned to env-1
+    assert states["r1"][0] == "dispatched"  # the round still filled a slot with another row
+
+
+async def test_a_wake_up_that_finds_its_row_dispatched_is_passed_on(ctx: Context) -> None:
+    await _fleet(ctx, envs=1, pending=1)
+    await _dispatched_on(ctx, "env-0", ["gone"])
+    controller = RolloutController()
+    woken: list[str] = []
+    controller.attach(lambda kind, entity_id: woken.append(entity_id))
+    controller._parked.update({"gone": None, "r0": None})  # "gone" parked, then another round sent it
+    controller._wake(1, controller._parked)
+    assert woken == ["gone"]
+    await controller.reconcile(ctx, "gone")
+    assert woken == ["gone", "r0"]  # the slot's wake-up went on to a row that still waits
