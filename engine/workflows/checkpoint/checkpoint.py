@@ -36,7 +36,8 @@ are the intents a reconcile of the new state would write).
   the restarts; the rollout set) and then ``<dir>/LATEST`` are written
   atomically and durably, by the commit deadline (a publish started with less
   than ``PUBLISH_MIN_S`` left gets that long, and first renews every member's
-  lease to it: the leases count from the commit deadline). A publish that fails (a full
+  lease to it and waits for those renews to settle: the leases count from the
+  commit deadline). A publish that fails (a full
   disk, a read-only or unwritable directory, an I/O error) or is still running
   at the deadline: ``aborting``, the path and the OS error in ``detail``, with
   neither a checkpoint.json nor a changed ``LATEST`` left behind (errors a
@@ -64,7 +65,7 @@ from journal.writes import Row
 from engine.workflows.checkpoint import confined
 from engine.runtime.clock import Clock, SystemClock
 from engine.runtime.reconciler import BaseController, Context, Result
-from engine.workflows.checkpoint.fanout import control_intent, describe_error, read_calls, timings
+from engine.workflows.checkpoint.fanout import Member, control_intent, describe_error, fan_out, read_calls, timings
 from engine.workflows.checkpoint.open_calls import SETTLED, OpenCalls
 from engine.workflows.checkpoint.publish_files import Publication, PublishFailed
 from engine.workflows.checkpoint.retirement import KIND as RETIREMENTS
@@ -90,6 +91,8 @@ PUBLISH_RETRY_S = 0.5
 RUN_REPLY_POLL_S = 0.2
 #: The least time a publish is given, even one first tried at or past the deadline (after a restart).
 PUBLISH_MIN_S = 5.0
+#: Seconds between looks at the renews a late publish waits for (their replies wake it sooner).
+RENEW_LOOK_S = 0.5
 
 log = logging.getLogger("tidelog.checkpoint")
 
@@ -164,6 +167,8 @@ class CheckpointController(BaseController):
         self._members_at: dict[str, tuple[int, list[Row]]] = {}
         # Checkpoint id -> failed publish tries so far (transient errors only; bounded by the deadline).
         self._publish_tries: dict[str, int] = {}
+        # Checkpoint id -> the lease bound its renews before a late publish ask for (one per look).
+        self._renew_until: dict[str, float] = {}
         # The clock of the reconciler this controller runs under (its context's; :meth:`waiting`
         # has no context, and a step is tracked only by a reconcile, which sets this first).
         self._clock: Clock = SystemClock()
@@ -503,8 +508,17 @@ class CheckpointController(BaseController):
         deadline = self._deadline(row, self.settings.commit_timeout_s, ctx.clock.time())
         if deadline - ctx.clock.time() < PUBLISH_MIN_S:
             # The publish may run past the commit deadline, which the members' leases count from
-            # (deadline + their grace): renew them first, to the publish's own bound.
-            await self._renew(ctx, row, members, ctx.clock.time() + PUBLISH_MIN_S + CALL_MARGIN_S)
+            # (deadline + their grace): renew them first, to the publish's own bound, and publish
+            # once every renew has settled (a member resumed before its renew arrived would refuse
+            # it). A renew that failed leaves that member's lease as it was.
+            until = self._renew_until.setdefault(row.id, ctx.clock.time() + PUBLISH_MIN_S + CALL_MARGIN_S)
+            renewed = await fan_out(ctx, row, [Member(m["participant"], m["kind"], m["url"]) for m in members],
+                                    "renew", {"checkpoint_id": row.id, "deadline_ts": until}, until)
+            if renewed.open:
+                return Result(requeue_after=RENEW_LOOK_S)  # the last reply wakes it sooner
+            for failure in renewed.failures:
+                log.warning("checkpoint %s: a renew before its late publish failed: %s", row.id, failure)
+            self._renew_until.pop(row.id, None)
         try:
             # On the checkpoint file pool, never the default executor (a hung write ties up only that pool).
             await confined.run(work.run, timeout=max(deadline - ctx.clock.time(), PUBLISH_MIN_S))
@@ -520,19 +534,6 @@ class CheckpointController(BaseController):
             published, self._move(ctx, _after(row, published), "resuming", "published",
                                   deadline=self.settings.resume_timeout_s)])
         return Result()
-
-    async def _renew(self, ctx: Context, row: Row, members: list[Row], until: float) -> None:
-        """``POST renew {checkpoint_id, deadline_ts: until}`` to every member, as intents of the row
-        in ``committed`` (the same calls again on a look at the same version). Not awaited: a
-        renew that fails leaves that member's lease as it was."""
-        shared = outbox.Body.of({"checkpoint_id": row.id, "deadline_ts": until})
-        calls = [(control_intent(row, m["url"], "renew", shared, max(until - ctx.clock.time(), 0.0) + CALL_MARGIN_S),
-                  f"renew {m['participant']} for {row.id}: publishing runs past the commit deadline")
-                 for m in members]
-
-        async def write(tx: WriteTx) -> list[Row]:
-            return await outbox.ensure_all(tx, calls, claim=ctx.claims)
-        ctx.send(await ctx.write(write))
 
     async def _publish_failed(self, ctx: Context, row: Row, members: list[Row], deadline: float,
                               failure: PublishFailed) -> Result:
