@@ -180,8 +180,12 @@ class CheckpointController(BaseController):
         return self._open.waiting_until(checkpoint_id, None, self._clock.time(), CALL_MARGIN_S) is not None
 
     def on_commit(self, committed: Sequence[Committed]) -> None:
-        """Journal commit listener (the orchestrator adds it): see :class:`OpenCalls`."""
+        """Journal commit listener (the orchestrator adds it): see :class:`OpenCalls`. A checkpoint
+        that leaves ``committed`` (published, or aborted while its renews were out) needs no renew bound."""
         self._open.on_commit(committed)
+        for c in committed:
+            if c.kind == KIND and c.from_state == "committed" and c.to_state != "committed":
+                self._renew_until.pop(c.entity_id, None)
 
     # -- reads ----------------------------------------------------------------------------------
 

@@ -69,6 +69,18 @@ async def test_a_wake_up_that_lands_while_a_rollout_looks_is_not_lost(
     assert woken == ["r1"]
 
 
+def _counted_reads(ctx: Context, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every ``kind:id`` the controller reads through ``ctx.get`` from now on (the reads still happen)."""
+    reads: list[str] = []
+    real_get = ctx.get
+
+    async def get(kind: str, entity_id: str) -> Any:
+        reads.append(f"{kind}:{entity_id}")
+        return await real_get(kind, entity_id)
+    monkeypatch.setattr(ctx, "get", get)
+    return reads
+
+
 async def _fleet(ctx: Context, envs: int, pending: int) -> None:
     async def rows(tx: WriteTx) -> None:
         for e in range(envs):
@@ -136,13 +148,7 @@ async def test_the_look_a_dispatch_commit_causes_is_skipped_but_the_reply_is_rea
     ctx.journal.add_commit_listener(commits.extend)
     await controller.reconcile(ctx, "r0")
     controller.on_commit(commits)
-    reads: list[str] = []
-    real_get = ctx.get
-
-    async def get(kind: str, entity_id: str) -> Any:
-        reads.append(f"{kind}:{entity_id}")
-        return await real_get(kind, entity_id)
-    monkeypatch.setattr(ctx, "get", get)
+    reads = _counted_reads(ctx, monkeypatch)
     await controller.reconcile(ctx, "r0")  # caused by its own dispatch: the /run is not even sent
     assert reads == []
     assert controller.waiting("r0") is False  # the /run settled: the reply's look must read
@@ -169,13 +175,7 @@ async def test_a_rollout_done_while_a_forget_batch_is_open_waits_for_the_next_wi
         await tx.transition("rollouts", "r1", from_state="dispatched", version=2, to_state="finished", reason="t")
     await ctx.write(r1_finishes)
     controller.on_commit([Committed("rollouts", "r1", "dispatched", "finished", 3)])
-    reads: list[str] = []
-    real_get = ctx.get
-
-    async def get(kind: str, entity_id: str) -> Any:
-        reads.append(f"{kind}:{entity_id}")
-        return await real_get(kind, entity_id)
-    monkeypatch.setattr(ctx, "get", get)
+    reads = _counted_reads(ctx, monkeypatch)
     await controller.reconcile(ctx, "r1")
     assert reads == [] and "r1" in controller._done  # it waits for the next batch, unread
 
