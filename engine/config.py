@@ -9,6 +9,7 @@ printed: it is a ``SecretStr`` everywhere.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import re
 import socket
@@ -205,14 +206,99 @@ class RolloutsSettings(_Strict):
     forget_retry_s: float = Field(default=5.0, gt=0, le=3600)
 
 
-class TrainerSettingsModel(_Strict):
-    """The trainer rank's constructor (``workers.trainer.worker.Trainer``)."""
+#: ``package.module:Name`` (a class or callable named by import path).
+_IMPORT_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+#: The executor backends built in (``workers.executor``); anything else is an import path.
+_BACKENDS = ("auto", "uni", "mp", "ray")
 
-    seed: int = Field(default=0, ge=0, le=2**63 - 1)
-    lr: float = Field(default=0.05, gt=0, le=1e6)
+
+def _importable(path: str) -> str:
+    """``path`` if it is ``package.module:Name`` and the module can be found (it is not imported:
+    a trainer's module imports torch, which the orchestrator loads only to train in process)."""
+    if not _IMPORT_PATH.match(path):
+        raise ValueError(f"{path!r} is not an import path 'package.module:Name'")
+    module = path.partition(":")[0]
+    try:
+        found = importlib.util.find_spec(module)
+    except (ImportError, ValueError) as exc:  # a parent package that is missing or broken
+        raise ValueError(f"module {module!r} of {path!r} cannot be found ({exc})") from None
+    if found is None:
+        raise ValueError(f"module {module!r} of {path!r} cannot be found")
+    return path
+
+
+class TrainerSettingsModel(_Strict):
+    """The trainer: a class named by import path and its constructor's keyword arguments
+    (docs/training.md, "Bring your own trainer"). Each rank is built as ``Class(**kwargs, seed=…,
+    lr=…, device=…, state_dir=…)``, the four shorthands passed only when set."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, populate_by_name=True)
+
+    #: ``package.module:Class``; the reference trainer by default.
+    class_: str = Field(default="workers.trainer.worker:Trainer", alias="class")
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    lr: float | None = Field(default=None, gt=0, le=1e6)
     device: str | None = None
-    #: Its durable step record (``step.json``): the evidence that settles an ambiguous job.
-    state_dir: str = "./training/trainer"
+    #: Its durable step record (``step.json``): the evidence that settles an ambiguous job. ``null``:
+    #: none (an ambiguous job then waits for an operator).
+    state_dir: str | None = "./training/trainer"
+
+    @field_validator("class_")
+    @classmethod
+    def _class(cls, v: str) -> str:
+        return _importable(v)
+
+    @model_validator(mode="after")
+    def _no_twice(self) -> TrainerSettingsModel:
+        if "state_dir" in self.kwargs:
+            raise ValueError("kwargs.state_dir: give it as training.trainer.state_dir (resolved against the "
+                             "orchestrator's directory), not in kwargs")
+        for key in ("seed", "lr", "device"):
+            if key in self.kwargs and getattr(self, key) is not None:
+                raise ValueError(f"kwargs.{key}: given both as training.trainer.{key} and in kwargs")
+        return self
+
+    def constructor_kwargs(self, state_dir: str | None) -> dict[str, Any]:
+        """The keyword arguments each rank is built with (``state_dir`` resolved by the caller)."""
+        shorthands = {"seed": self.seed, "lr": self.lr, "device": self.device, "state_dir": state_dir}
+        return {**self.kwargs, **{k: v for k, v in shorthands.items() if v is not None}}
+
+
+class ExecutorSettingsModel(_Strict):
+    """Where the trainer's ranks run (``workers.executor``). A plain string is the backend alone."""
+
+    #: ``auto``, ``uni`` (the orchestrator's process), ``mp`` (spawned processes), ``ray`` (actors),
+    #: or ``package.module:Class``, an ``Executor`` subclass (the seed's custom executor).
+    backend: str = "mp"
+    #: Ranks, all of the trainer class. Rank 0 answers for the group (docs/training.md).
+    workers: int = Field(default=1, ge=1, le=1024)
+    #: Ray actor options for every rank (``num_cpus``, ``num_gpus``, ``resources``, ``runtime_env``…),
+    #: or a custom executor's own launch options.
+    options: dict[str, Any] = Field(default_factory=dict)
+    #: GPUs each rank needs: disjoint CUDA masks on ``mp``, ``num_gpus`` on Ray.
+    gpus_per_worker: float = Field(default=0, ge=0, le=1024)
+    #: One deadline shared by every rank's constructor.
+    launch_timeout_s: float = Field(default=300.0, gt=0, le=86_400)
+
+    @field_validator("backend")
+    @classmethod
+    def _backend(cls, v: str) -> str:
+        if v in _BACKENDS:
+            return v
+        if ":" not in v:
+            raise ValueError(f"{v!r} is not a backend: auto, uni, mp, ray, or an Executor subclass "
+                             f"as 'package.module:Class'")
+        return _importable(v)
+
+    @model_validator(mode="after")
+    def _options_for_the_backend(self) -> ExecutorSettingsModel:
+        if self.options and self.backend in ("uni", "mp"):
+            raise ValueError(f"options: the {self.backend} backend takes no executor options "
+                             f"(got {sorted(self.options)}); Ray actor options need backend ray")
+        if self.backend == "uni" and self.workers != 1:
+            raise ValueError(f"workers: the uni backend runs exactly one rank (got {self.workers})")
+        return self
 
 
 class TrainingWorkflowSettings(_Strict):
@@ -220,7 +306,7 @@ class TrainingWorkflowSettings(_Strict):
 
     enabled: bool = False
     deployment: str = Field(default="default", min_length=1, max_length=255)
-    executor: Literal["auto", "uni", "mp", "ray"] = "mp"
+    executor: ExecutorSettingsModel = ExecutorSettingsModel()
     trainer: TrainerSettingsModel = TrainerSettingsModel()
     checkpoint_dir: str = "./training/checkpoints"
     weights_dir: str = "./training/weights"
@@ -233,6 +319,12 @@ class TrainingWorkflowSettings(_Strict):
     engine_timeout_s: float = Field(default=30.0, gt=0, le=3600)
     weight_update_timeout_s: float = Field(default=600.0, gt=0, le=86_400)
     engines: list[EngineEntry] = Field(default_factory=list)
+
+    @field_validator("executor", mode="before")
+    @classmethod
+    def _backend_alone(cls, v: Any) -> Any:
+        # `executor: mp` is the backend with every other executor setting at its default.
+        return {"backend": v} if isinstance(v, str) else v
 
     @field_validator("engines")
     @classmethod

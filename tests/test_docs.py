@@ -25,10 +25,11 @@ def _keys(model: type[BaseModel], prefix: str = "") -> set[str]:
     for name, field in model.model_fields.items():
         if field.exclude:
             continue  # not a key of the file (Settings.sections is filled from workflows' own keys)
-        out.add(prefix + name)
+        key = field.alias or name  # the file's spelling (``class`` for ``TrainerSettingsModel.class_``)
+        out.add(prefix + key)
         ann = field.annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel):
-            out |= _keys(ann, f"{prefix}{name}.")
+            out |= _keys(ann, f"{prefix}{key}.")
     return out
 
 

@@ -60,11 +60,19 @@ KEPT = ("CHECKPOINT", "UPDATING_WEIGHTS", "READY_TO_COMMIT", "HEAD_COMMITTED", "
 INITIAL = "initial"
 
 
+#: The calls that change what a rank holds: with several ranks every rank gets them, in rank order
+#: (a data-parallel group steps, loads and declares together); rank 0's reply is the group's.
+GROUP_CALLS = frozenset({"train", "load_checkpoint", "declare_initial"})
+
+
 class TrainerRanks(Protocol):
     """What the controller needs of an executor (``workers.executor.Executor``)."""
 
     def rpc(self, rank: int, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
             timeout: float | None = None) -> Any: ...
+
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
+                       timeout: float | None = None) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -72,8 +80,10 @@ class TrainingSettings:
     checkpoint_dir: str
     #: The deployment whose jobs this controller trains (None: every job it is given; tests).
     deployment: str | None = None
-    #: The trainer rank that takes the steps (the executor's others follow it, if any).
+    #: The trainer rank that answers for the group: every call but :data:`GROUP_CALLS` goes to it alone.
     rank: int = 0
+    #: How many ranks the executor runs; with more than one, :data:`GROUP_CALLS` go to every rank.
+    ranks: int = 1
     train_timeout_s: float = 3600.0
     call_timeout_s: float = 120.0
     #: How soon an unsettled AMBIGUOUS job (or an unreachable trainer) is looked at again.
@@ -109,6 +119,9 @@ class TrainingController(BaseController):
     async def _call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
         limit = timeout if timeout is not None else self.settings.call_timeout_s
         try:
+            if self.settings.ranks > 1 and method in GROUP_CALLS:
+                replies = await asyncio.to_thread(self._executor.collective_rpc, method, args, None, limit)
+                return replies[self.settings.rank]
             return await asyncio.to_thread(self._executor.rpc, self.settings.rank, method, args, None, limit)
         except TimeoutError:
             # A trainer that does not answer a cheap call is stuck: calls would only queue behind it.
@@ -365,9 +378,10 @@ class TrainingController(BaseController):
 
 
 def _refused_before_any_step(exc: BaseException) -> bool:
-    """The trainer validated the job and refused it before any step (its ``JobError``)."""
+    """The trainer validated the job and refused it before any step: a ``workers.trainer.errors.JobError``,
+    or a subclass of it (the contract of docs/training.md, for any trainer class)."""
     # By name: importing workers.trainer would import torch into the orchestrator.
-    return type(exc).__name__ == "JobError" and type(exc).__module__.startswith("workers.trainer")
+    return any(c.__name__ == "JobError" and c.__module__ == "workers.trainer.errors" for c in type(exc).__mro__)
 
 
-__all__ = ["KIND", "TrainerRanks", "TrainingController", "TrainingSettings"]
+__all__ = ["GROUP_CALLS", "KIND", "TrainerRanks", "TrainingController", "TrainingSettings"]

@@ -1,7 +1,8 @@
 """Build the training half of an orchestrator from the ``training`` section of the configuration.
 
-``tidelog serve`` with ``training.enabled``: a :class:`TrainerHost` over an executor of one
-trainer rank (``training.executor``), the deployment's engines (SGLang's HTTP admin API; the
+``tidelog serve`` with ``training.enabled``: a :class:`TrainerHost` over an executor of the
+trainer's ranks (the class ``training.trainer.class`` names, built with its keyword arguments, on the
+backend and options of ``training.executor``), the deployment's engines (SGLang's HTTP admin API; the
 reference engine speaks it too), the training controller with commit-gated publication, and the
 engine gate. Nothing starts here: the trainer process is launched on the first call, by the
 leader only.
@@ -24,7 +25,8 @@ from engine.workflows.training.publication import PublicationSettings
 from engine.workflows.training.controller import TrainingController, TrainingSettings
 from engine.workflows.training.trainer_host import TrainerHost
 
-#: Import path of the trainer worker: the orchestrator does not import torch unless it trains in process.
+#: Import path of the reference trainer (the default of ``training.trainer.class``): the orchestrator
+#: names the class by path, so it does not import torch unless it trains in process.
 TRAINER = "workers.trainer.worker:Trainer"
 
 
@@ -49,16 +51,24 @@ def _absolute(path: str) -> str:
     return str(Path(path).expanduser().resolve())
 
 
+def executor_config(settings: Settings) -> ExecutorConfig:
+    """What each generation of the trainer is launched with: ``training.executor.workers`` ranks of
+    ``training.trainer.class``, each built with the configured keyword arguments (paths resolved
+    here). Rank 0 answers for the group, so its step record is the one in ``state_dir``; rank
+    ``k > 0`` keeps its own in ``<state_dir>/rank-<k>`` (two ranks never share one file)."""
+    t = settings.training
+    state_dir = None if t.trainer.state_dir is None else _absolute(t.trainer.state_dir)
+    specs = tuple(WorkerSpec(t.trainer.class_, kwargs=t.trainer.constructor_kwargs(
+        state_dir if state_dir is None or rank == 0 else str(Path(state_dir) / f"rank-{rank}")))
+        for rank in range(t.executor.workers))
+    return ExecutorConfig(backend=t.executor.backend, workers=specs, options=t.executor.options,
+                          gpus_per_worker=t.executor.gpus_per_worker, launch_timeout_s=t.executor.launch_timeout_s)
+
+
 def build_training(settings: Settings) -> TrainingParts:
     t = settings.training
-    trainer = t.trainer
-    state_dir = _absolute(trainer.state_dir)
-
-    def factory() -> Executor:
-        return Executor.create(ExecutorConfig(backend=t.executor, workers=(WorkerSpec(TRAINER, kwargs={
-            "seed": trainer.seed, "lr": trainer.lr, "device": trainer.device, "state_dir": state_dir}),)))
-
-    host = TrainerHost(factory)
+    config = executor_config(settings)
+    host = TrainerHost(lambda: Executor.create(config))
     engines: dict[str, InferenceEngine] = {
         engine_id(t.deployment, e.name): SGLangEngine(SGLangConfig(url=e.url, timeout=t.engine_timeout_s,
                                                                    weight_update_timeout=t.weight_update_timeout_s))
@@ -69,11 +79,11 @@ def build_training(settings: Settings) -> TrainingParts:
         initial_weights=None if t.initial_weights is None else _absolute(t.initial_weights))
     controller = TrainingController(host, TrainingSettings(
         checkpoint_dir=_absolute(t.checkpoint_dir), deployment=t.deployment, train_timeout_s=t.train_timeout_s,
-        call_timeout_s=t.call_timeout_s, retry_after_s=t.retry_after_s),
+        call_timeout_s=t.call_timeout_s, retry_after_s=t.retry_after_s, ranks=t.executor.workers),
         publication=(engines, publication) if engines else None)
     lock = controller.publisher.lock if controller.publisher is not None else asyncio.Lock()
     gate = EngineGateController(engines, GateSettings(t.deployment, t.pause_mode, t.retry_after_s), lock)
     return TrainingParts(host, engines, controller, gate)
 
 
-__all__ = ["TRAINER", "TrainingParts", "build_training"]
+__all__ = ["TRAINER", "TrainingParts", "build_training", "executor_config"]
