@@ -19,6 +19,7 @@ from engine.workflows.training.wiring import executor_config
 from tests.engine.workflows.training.test_executors import ray_runtime  # noqa: F401 - a module fixture
 from tests.engine.workflows.training.test_serve_training import (  # noqa: F401 - orchestrators is a fixture
     adapters, orchestrators, serving, until_engines)
+from tests.support import own_executor
 from tests.support.backends import only_sqlite
 from tests.support.training import edges, payload, submit, until_state
 from tests.workers.inference.engines import EngineProc
@@ -110,6 +111,22 @@ async def test_an_own_trainer_trains_through_serve_on_ray(ray_runtime: Any, jour
                                  "backend: ray\noptions: {num_cpus: 1}\nlaunch_timeout_s: 120"))
     assert settings.training.executor.options == {"num_cpus": 1}
     await through_serve(settings, tmp_path, engine_procs, orchestrators)
+
+
+@pytest.mark.slow
+@only_sqlite
+async def test_a_custom_executor_named_by_import_path_runs_the_ranks(journal_url: str, tmp_path: Path,
+                                                                    engine_procs: list[EngineProc],
+                                                                    initial_dir: Path,
+                                                                    orchestrators: list[Orchestrator]) -> None:
+    settings = load(write_config(tmp_path, journal_url, engine_procs, initial_dir,
+                                 "backend: 'tests.support.own_executor:ThreadRanksExecutor'\n"
+                                 "workers: 2\noptions: {label: from-yaml}"))
+    before = len(own_executor.LAUNCHES)
+    row = await through_serve(settings, tmp_path, engine_procs, orchestrators)
+    assert own_executor.LAUNCHES[before:] == [("from-yaml", 2)]
+    other = read_step_record(tmp_path / "trainer" / "rank-1")
+    assert other is not None and other.job_id == row["id"]
 
 
 # -- the configuration ----------------------------------------------------------------------------------
