@@ -301,6 +301,22 @@ class ExecutorSettingsModel(_Strict):
         return self
 
 
+class EvaluatorSettingsModel(_Strict):
+    """The evaluator of ``training.commit: evaluate`` (docs/training.md, "The commit gate")."""
+
+    #: ``package.module:name``: a function ``fn(candidate, incumbent, **kwargs)`` or a class built as
+    #: ``Class(**kwargs)`` whose ``evaluate(candidate, incumbent)`` is called.
+    callable: str | None = None
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    #: The longest one evaluation may take before it counts as failed (and is asked again).
+    timeout_s: float = Field(default=600.0, gt=0, le=86_400)
+
+    @field_validator("callable")
+    @classmethod
+    def _callable(cls, v: str | None) -> str | None:
+        return None if v is None else _importable(v)
+
+
 class TrainingWorkflowSettings(_Strict):
     """Training jobs and commit-gated publication (docs/training.md)."""
 
@@ -318,6 +334,12 @@ class TrainingWorkflowSettings(_Strict):
     publish_retry_after_s: float = Field(default=2.0, gt=0, le=3600)
     engine_timeout_s: float = Field(default=30.0, gt=0, le=3600)
     weight_update_timeout_s: float = Field(default=600.0, gt=0, le=86_400)
+    #: Who makes a READY_TO_COMMIT candidate the head: auto, acknowledge (an operator), evaluate.
+    commit: Literal["auto", "acknowledge", "evaluate"] = "auto"
+    #: With ``commit: acknowledge``: how long a candidate waits (null: without end), then what happens.
+    acknowledge_timeout_s: float | None = Field(default=None, gt=0, le=30 * 86_400)
+    on_acknowledge_timeout: Literal["reject", "hold"] = "reject"
+    evaluator: EvaluatorSettingsModel = EvaluatorSettingsModel()
     engines: list[EngineEntry] = Field(default_factory=list)
 
     @field_validator("executor", mode="before")
@@ -330,6 +352,19 @@ class TrainingWorkflowSettings(_Strict):
     @classmethod
     def _unique(cls, v: list[EngineEntry]) -> list[EngineEntry]:
         return _unique_names(v, "engine")
+
+    @model_validator(mode="after")
+    def _gate(self) -> TrainingWorkflowSettings:
+        # A setting of another mode would be ignored without a word: refused instead.
+        if self.commit == "evaluate" and self.evaluator.callable is None:
+            raise ValueError("training.commit 'evaluate' needs training.evaluator.callable")
+        if self.commit != "evaluate" and self.evaluator.callable is not None:
+            raise ValueError(f"training.evaluator.callable is set but training.commit is {self.commit!r} "
+                             f"(it is used only by 'evaluate')")
+        if self.commit != "acknowledge" and self.acknowledge_timeout_s is not None:
+            raise ValueError(f"training.acknowledge_timeout_s is set but training.commit is {self.commit!r} "
+                             f"(it applies only to 'acknowledge')")
+        return self
 
     @model_validator(mode="after")
     def _engines_when_enabled(self) -> TrainingWorkflowSettings:

@@ -228,11 +228,15 @@ TRAINING_JOBS = StateMachine.build(
         # record proving the step never ran: RUNNING again), or by an operator (also FAILED).
         # Self-edge: what is known changed, still not enough to decide.
         "AMBIGUOUS": ["AMBIGUOUS", "CHECKPOINT", "RUNNING", "FAILED"],
-        "CHECKPOINT": ["UPDATING_WEIGHTS", "REJECTING"],
+        # Self-edge: pausing the engines failed (said in detail); the publication is tried again
+        # from here, nothing allocated yet.
+        "CHECKPOINT": ["CHECKPOINT", "UPDATING_WEIGHTS", "REJECTING"],
         # Self-edge: a retry after a failed transfer (engines recovered, full transfer forced).
         "UPDATING_WEIGHTS": ["UPDATING_WEIGHTS", "READY_TO_COMMIT", "REJECTING"],
         # Engines stay paused here until the head commit; an operator may still reject.
-        "READY_TO_COMMIT": ["HEAD_COMMITTED", "REJECTING"],
+        # Self-edge: an operator's acknowledgement recorded (the verdict), or a failed evaluation or
+        # a wait held past its timeout said in detail.
+        "READY_TO_COMMIT": ["READY_TO_COMMIT", "HEAD_COMMITTED", "REJECTING"],
         # Self-edge: resuming the engines failed (recorded in detail); it is tried again.
         "HEAD_COMMITTED": ["HEAD_COMMITTED", "COMPLETE"],
         # Rejection restores the incumbent weights on every engine, then resumes them.

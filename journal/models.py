@@ -268,6 +268,12 @@ training_jobs = sa.Table(
     # Why the job is AMBIGUOUS and what would settle it.
     sa.Column("ambiguity", sa.Text, nullable=True),
     sa.Column("detail", sa.Text, nullable=True),
+    # When every engine was verified on the candidate (READY_TO_COMMIT): the acknowledgement timeout
+    # counts from it, across restarts.
+    sa.Column("ready_at", UTCDateTime(), nullable=True),
+    # The commit gate's verdict: {"decision": "commit"|"reject", "by": "auto"|"operator"|"evaluator"|
+    # "timeout", "reason", "metrics", "at"} (docs/training.md, "The commit gate").
+    sa.Column("verdict", JSONValue(), nullable=True),
     # The database refuses a second job in flight for a deployment, whoever writes it.
     sa.Index("ux_training_jobs_in_flight", "deployment", unique=True,
              sqlite_where=sa.text(_IN_FLIGHT_SQL), postgresql_where=sa.text(_IN_FLIGHT_SQL)),

@@ -2,8 +2,7 @@
 
 A real trainer process cannot be made to die on demand at a chosen line, so this test-only
 subclass of :class:`workers.trainer.worker.Trainer` does it. The training crash worker
-(``tests/support/training_worker.py``) selects it by setting ``engine.workflows.training.wiring.TRAINER``
-to :data:`IMPORT_PATH` when ``TIDELOG_TEST_TRAINER_DIE`` is set; the spawned ``mp`` child inherits
+(``tests/support/training_worker.py``) selects it by ``training.trainer.class`` = :data:`IMPORT_PATH` when ``TIDELOG_TEST_TRAINER_DIE`` is set; the spawned ``mp`` child inherits
 the variable.
 
 ``TIDELOG_TEST_TRAINER_DIE=<method>:<before|after>[@N]`` — the N-th (default first) call of

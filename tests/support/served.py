@@ -47,6 +47,8 @@ class Served:
     extra_root: Path
     log: Path
     journal_url: str
+    #: The serve process (set once it is started), for a test that kills it.
+    pid: int = 0
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -97,6 +99,7 @@ async def serve_process(journal_url: str, tmp: Path, **overrides: Any) -> AsyncI
     env = {**os.environ, "TIDELOG_CONTROL_TOKEN": TOKEN}
     with open(served.log, "wb") as out:
         proc = await asyncio.create_subprocess_exec(*_command(cfg), cwd=ROOT, env=env, stdout=out, stderr=out)
+    served.pid = proc.pid
     try:
         async with aiohttp.ClientSession() as s:
             for _ in range(600):
@@ -114,7 +117,10 @@ async def serve_process(journal_url: str, tmp: Path, **overrides: Any) -> AsyncI
         yield served
     finally:
         if proc.returncode is None:
-            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass  # a test killed it already
             try:
                 await asyncio.wait_for(proc.wait(), 20)
             except TimeoutError:

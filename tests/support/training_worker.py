@@ -27,8 +27,8 @@ kills it with SIGKILL right after that commit.
 Test-only faults — things a real part cannot be made to do on demand:
 
 - ``TIDELOG_TEST_TRAINER_DIE=<method>:<before|after>[@N]``: the trainer rank is
-  ``tests.support.faulty_trainer.FaultyTrainer`` (``engine.workflows.training.wiring.TRAINER`` is pointed at
-  it), which SIGKILLs its own process at that point once per WORKDIR;
+  ``tests.support.faulty_trainer.FaultyTrainer`` (named by ``training.trainer.class``), which SIGKILLs
+  its own process at that point once per WORKDIR;
 - ``TIDELOG_TEST_ENGINE_DIE=<index>:<path>``: on a journal with no job yet, once every engine row
   is ``serving`` and before the first job is submitted, arm the reference engine ``<index>``'s
   ``POST /_test/die_next {path}``, so the first publication's request to ``path`` on that engine
@@ -63,7 +63,8 @@ PAYLOADS = "payloads.json"
 DEADLINE_S = 300.0
 
 
-def settings(journal_url: str, workdir: str, initial_weights: str, engine_urls: list[str]) -> Settings:
+def settings(journal_url: str, workdir: str, initial_weights: str, engine_urls: list[str],
+             trainer_class: str = "workers.trainer.worker:Trainer") -> Settings:
     return Settings.model_validate({
         "journal": {"url": journal_url},
         "orchestrator": {"lease_ttl_s": 1.0, "lease_renew_s": 0.25, "shutdown_grace_s": 2},
@@ -72,7 +73,8 @@ def settings(journal_url: str, workdir: str, initial_weights: str, engine_urls: 
         "logging": {"level": "WARNING"},
         "training": {
             "enabled": True, "deployment": DEPLOYMENT, "executor": "mp",
-            "trainer": {"seed": 0, "device": "cpu", "state_dir": os.path.join(workdir, "trainer")},
+            "trainer": {"class": trainer_class, "seed": 0, "device": "cpu",
+                        "state_dir": os.path.join(workdir, "trainer")},
             "checkpoint_dir": os.path.join(workdir, "checkpoints"),
             "weights_dir": os.path.join(workdir, "weights"),
             "initial_weights": initial_weights,
@@ -128,14 +130,14 @@ async def arm_engine_death(spec: str, engine_urls: list[str]) -> None:
 
 
 async def main(journal_url: str, workdir: str, n: int, initial_weights: str, engine_urls: list[str]) -> int:
+    trainer_class = "workers.trainer.worker:Trainer"
     if os.environ.get(TRAINER_DIE_ENV):
-        from engine.workflows.training import wiring
         from tests.support import faulty_trainer
         faulty_trainer.parse(os.environ[TRAINER_DIE_ENV])  # a typo fails here, not in the trainer
-        wiring.TRAINER = faulty_trainer.IMPORT_PATH
+        trainer_class = faulty_trainer.IMPORT_PATH  # selected as a user selects their own trainer
     jobs = payloads(workdir, n)
     await migrate_if_needed(journal_url)
-    orch = Orchestrator(settings(journal_url, workdir, initial_weights, engine_urls))
+    orch = Orchestrator(settings(journal_url, workdir, initial_weights, engine_urls, trainer_class))
     await orch.start()
     assert orch.handle("training") is not None
     # Start the trainer process while the lease is won (after a crash it lapses first): the

@@ -14,8 +14,13 @@
   carries the job's id: 422 ``checkpoint_unverified`` (naming the path and why) otherwise, and nothing
   is written.
 - ``POST /v1/jobs/{id}/reject`` ``{"reason"}`` -> 202 for a job in ``CHECKPOINT``, ``UPDATING_WEIGHTS``
-  or ``READY_TO_COMMIT``. For both: 404 ``not_found``, 409 ``job_state`` (naming the job's state and
-  the allowed ones, also as ``state`` and ``allowed``), 422 ``invalid_body``.
+  or ``READY_TO_COMMIT``.
+- ``POST /v1/jobs/{id}/acknowledge`` ``{"reason"}`` -> 202 for a ``READY_TO_COMMIT`` job without a
+  verdict: the operator's commit verdict is recorded and the head is committed next (``training.commit:
+  acknowledge``; in the other modes too, where it wins over the gate); 409 ``verdict_recorded`` when
+  the job already has one (naming it, also as ``verdict``). For the three: 404 ``not_found``, 409
+  ``job_state`` (naming the job's state and the allowed ones, also as ``state`` and ``allowed``), 422
+  ``invalid_body``.
 - ``GET /v1/publications[?state=&limit=&before=]`` (``weight_versions``, newest first) and
   ``GET /v1/publications/{load_id}``: the version, its ``job`` (summary, null for initial weights) and
   the engines that report serving it (``served_by``).
@@ -42,7 +47,9 @@ from journal.audit import EventFilter
 from engine.http.listing import lister as list_rows
 from engine.http.query import no_query
 from engine.http.shell import ApiError, Body, Directory, Handler, Refusals, phases, read_body, row_json, shown, typed
-from engine.workflows.training import (InvalidDecision, JobClosed, JobConflict, JobNotFound, JobStateRefused, TrainingPayloadError, reject_job, resolve_job, submit_job)
+from engine.workflows.training import (InvalidDecision, JobClosed, JobConflict, JobNotFound, JobStateRefused,
+                                      TrainingPayloadError, VerdictRecorded, acknowledge_job, reject_job, resolve_job,
+                                      submit_job)
 from engine.workflows.training.wiring import TrainingParts
 
 if TYPE_CHECKING:  # annotations only: the service builds the families
@@ -82,6 +89,12 @@ class RejectJob(Body):
     reason: Reason
 
 
+class AcknowledgeJob(Body):
+    """``POST /v1/jobs/{id}/acknowledge``: why the candidate may become the head."""
+
+    reason: Reason
+
+
 def _invalid(exc: TrainingPayloadError | InvalidDecision) -> ApiError:
     return ApiError(422, "invalid_body", f"{exc.field}={shown(exc.value)}: {exc.rule}", exc.field)
 
@@ -94,6 +107,7 @@ def _refused(exc: JobStateRefused) -> ApiError:
 REFUSALS: Refusals = {
     JobNotFound: lambda exc: ApiError(404, "not_found", str(exc)),
     JobStateRefused: _refused,
+    VerdictRecorded: lambda exc: ApiError(409, "verdict_recorded", str(exc), verdict=exc.verdict),
     InvalidDecision: _invalid,
     TrainingPayloadError: _invalid,
 }
@@ -233,6 +247,17 @@ def add_training_routes(app: web.Application, orch: Orchestrator, mutating: Call
         was = await operate(write, job_id)
         return web.json_response({"job_id": job_id, "state": "REJECTING", "was": was}, status=202)
 
+    async def acknowledge(request: web.Request) -> web.Response:
+        body = await read_body(request, AcknowledgeJob)
+        training()
+        job_id = request.match_info["id"]
+
+        async def write(tx: WriteTx) -> str:
+            return (await acknowledge_job(tx, job_id, reason=body.reason)).state
+        was = await operate(write, job_id)
+        return web.json_response({"job_id": job_id, "state": "READY_TO_COMMIT", "verdict": "commit", "was": was},
+                                 status=202)
+
     def lister(kind: str, key: str, order: tuple[str, ...], shape: Callable[[Mapping[Any, Any]], dict[str, Any]]
                ) -> Handler:
         return list_rows(orch.journal, kind, key, lambda row, _now: shape(row), orch.clock.now, order=order)
@@ -285,10 +310,11 @@ def add_training_routes(app: web.Application, orch: Orchestrator, mutating: Call
     app.router.add_get("/v1/jobs/{id}", handled(job_get))
     app.router.add_post("/v1/jobs/{id}/resolve", mutating(handled(resolve)))
     app.router.add_post("/v1/jobs/{id}/reject", mutating(handled(reject)))
+    app.router.add_post("/v1/jobs/{id}/acknowledge", mutating(handled(acknowledge)))
     app.router.add_get("/v1/publications", handled(lister(VERSIONS, "publications",
                                                         ("created_at", "sequence", "id"), row_json)))
     app.router.add_get("/v1/publications/{load_id}", handled(publication_get))
     app.router.add_get("/v1/engines", handled(engines))
 
 
-__all__ = ["REFUSALS", "RejectJob", "ResolveJob", "SubmitJob", "add_training_routes"]
+__all__ = ["REFUSALS", "AcknowledgeJob", "RejectJob", "ResolveJob", "SubmitJob", "add_training_routes"]

@@ -7,7 +7,8 @@ workflow commands (split from :mod:`engine.cli`).
 - ``tidelog jobs list [--state S]``, ``tidelog jobs show ID``: the jobs newest first; one job with its
   ambiguity, phases and publication;
 - ``tidelog jobs resolve ID --decision {ran,not_run,abandon} --reason TEXT [--checkpoint PATH]``
-  and ``tidelog jobs reject ID --reason TEXT``: the operator's decisions (docs/training.md);
+  ``tidelog jobs acknowledge ID --reason TEXT`` (a READY_TO_COMMIT candidate becomes the head) and
+  ``tidelog jobs reject ID --reason TEXT``: the operator's decisions (docs/training.md);
 - ``tidelog publications [ID]``, ``tidelog engines``.
 
 Every command takes ``--url`` and ``--json``. Exit codes as the other commands: 0 done, 2 bad input or
@@ -35,7 +36,7 @@ DECISIONS = ("ran", "not_run", "abandon")
 
 def add_commands(sub: Any) -> Mapping[str, Command]:
     """Add ``jobs``, ``publications`` and ``engines`` to the ``tidelog`` parser's subcommands."""
-    jobs = sub.add_parser("jobs", help="submit, list, show, resolve or reject training jobs")
+    jobs = sub.add_parser("jobs", help="submit, list, show, resolve, acknowledge or reject training jobs")
     act = jobs.add_subparsers(dest="action", required=True, metavar="ACTION")
     s = _api(act.add_parser("submit", help="submit a training job (its batch) from a JSON payload file"))
     s.add_argument("file", help="JSON payload file ('-' reads stdin)")
@@ -51,6 +52,10 @@ def add_commands(sub: Any) -> Mapping[str, Command]:
                         "once), abandon (FAILED)")
     r.add_argument("--reason", required=True, help="why (kept in the job's history)")
     r.add_argument("--checkpoint", help="with --decision ran: the checkpoint that holds the job's step")
+    ak = _api(act.add_parser("acknowledge", help="commit a READY_TO_COMMIT candidate as the head (training.commit: "
+                                                 "acknowledge)"))
+    ak.add_argument("id")
+    ak.add_argument("--reason", required=True, help="why (kept in the job's verdict)")
     rj = _api(act.add_parser("reject", help="reject a job's candidate weights (the committed head is put back)"))
     rj.add_argument("id")
     rj.add_argument("--reason", required=True, help="why (kept in the job's detail)")
@@ -116,6 +121,9 @@ def jobs(settings: Settings, args: argparse.Namespace) -> int:
             req["checkpoint_path"] = args.checkpoint
         reply = client.post(f"/v1/jobs/{_q(args.id)}/resolve", req)
         return _print(args, reply, f"job {args.id}: resolved {reply['decision']}: {reply['was']} -> {reply['state']}")
+    if action == "acknowledge":
+        reply = client.post(f"/v1/jobs/{_q(args.id)}/acknowledge", {"reason": args.reason})
+        return _print(args, reply, f"job {args.id}: acknowledged; its head commit follows")
     reply = client.post(f"/v1/jobs/{_q(args.id)}/reject", {"reason": args.reason})
     return _print(args, reply, f"job {args.id}: {reply['was']} -> REJECTING; the committed head is put back")
 
@@ -133,6 +141,10 @@ def show_job(body: dict[str, Any]) -> None:
     for label, key in (("ambiguity", "ambiguity"), ("detail", "detail"), ("checkpoint", "checkpoint_path")):
         if body.get(key):
             print(f"  {label:<10}  {body[key]}")
+    verdict = body.get("verdict")
+    if verdict:
+        metrics = f" {json.dumps(verdict['metrics'])}" if verdict.get("metrics") else ""
+        print(f"  verdict     {verdict['decision']} by {verdict['by']}: {verdict['reason']}{metrics}")
     if body.get("publish_attempts"):
         print(f"  attempts    {body['publish_attempts']} failed publication attempt(s)")
     phases = " ".join(f"{p['state']}={p['seconds']}s" if p["seconds"] is not None else p["state"]

@@ -58,7 +58,8 @@ class JobClosed(Exception):
 
     def __init__(self, job_id: str, state: str, detail: str | None) -> None:
         super().__init__(f"job {job_id} is {state}" + (f" ({detail})" if detail else "")
-                         + "; a settled job is not trained again under the same identity")
+                         + "; a settled job is not trained again under the same identity (to train the "
+                         "batch again, submit it with another payload field, such as \"retry\": 2: a new job)")
         self.job_id, self.state, self.detail = job_id, state, detail
 
 

@@ -1,11 +1,16 @@
-"""What an operator may do to a training job: reject a candidate, or settle an ambiguous job.
+"""What an operator may do to a training job: acknowledge or reject a candidate, or settle an ambiguous job.
 
 Both are one compare-and-set on the job's row with the operator's reason in its event; the
 controllers do the rest (publication restores the committed head on rejection; the training
 controller trains a job an operator says never ran). A refusal is typed and writes nothing.
 
+- :func:`acknowledge_job`: a ``READY_TO_COMMIT`` candidate (engines verified, still paused) with no
+  verdict yet → the operator's ``commit`` verdict recorded on it (a self-transition); the publisher's
+  next look commits the head (engine/workflows/training/commit_gate.py). Acknowledging the same
+  job again is refused (``verdict_recorded``), as is any job in another state.
 - :func:`reject_job`: ``CHECKPOINT``, ``UPDATING_WEIGHTS`` or ``READY_TO_COMMIT`` →
-  ``REJECTING``. A job whose head is committed can no longer be rejected.
+  ``REJECTING``, with the operator's ``reject`` verdict. A job whose head is committed can no
+  longer be rejected; an acknowledged one can, until its head commit.
 - :func:`resolve_job`, for an ``AMBIGUOUS`` job only:
 
   - ``ran`` with ``checkpoint_path``: the step ran and that checkpoint holds it →
@@ -17,7 +22,7 @@ controller trains a job an operator says never ran). A refusal is typed and writ
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from journal import WriteTx
 from journal.writes import Row
@@ -43,6 +48,15 @@ class JobStateRefused(Exception):
         self.job_id, self.operation, self.state, self.allowed = job_id, operation, state, allowed
 
 
+class VerdictRecorded(Exception):
+    """The candidate already has a verdict (an earlier acknowledgement): nothing is written again."""
+
+    def __init__(self, job_id: str, verdict: dict[str, Any]) -> None:
+        super().__init__(f"job {job_id} already has a verdict ({verdict.get('decision')} by {verdict.get('by')}: "
+                         f"{verdict.get('reason')})")
+        self.job_id, self.verdict = job_id, verdict
+
+
 class InvalidDecision(ValueError):
     """A resolution that names an unknown decision or lacks what its decision needs."""
 
@@ -58,6 +72,26 @@ async def _job(tx: WriteTx, job_id: str) -> Row:
     return row
 
 
+def _verdict(tx: WriteTx, decision: str, reason: str) -> dict[str, Any]:
+    return {"decision": decision, "by": "operator", "reason": reason[:500], "metrics": {}, "at": tx.now.isoformat()}
+
+
+async def acknowledge_job(tx: WriteTx, job_id: str, *, reason: str) -> Row:
+    """Record the operator's ``commit`` verdict on a ``READY_TO_COMMIT`` job (see the module docs);
+    returns the row as it was."""
+    if not reason.strip():
+        raise InvalidDecision("reason", reason, "must say why")
+    row = await _job(tx, job_id)
+    if row.state != "READY_TO_COMMIT":
+        raise JobStateRefused(job_id, "acknowledge", row.state, ("READY_TO_COMMIT",))
+    if row["verdict"] is not None:
+        raise VerdictRecorded(job_id, row["verdict"])
+    await tx.transition(KIND, job_id, from_state=row.state, version=row.version, to_state="READY_TO_COMMIT",
+                        reason=f"acknowledged by an operator: {reason}"[:200],
+                        changes={"verdict": _verdict(tx, "commit", reason), "detail": None})
+    return row
+
+
 async def reject_job(tx: WriteTx, job_id: str, *, reason: str) -> Row:
     """Move the job to ``REJECTING`` (see the module docs); returns the row as it was."""
     if not reason.strip():
@@ -66,7 +100,8 @@ async def reject_job(tx: WriteTx, job_id: str, *, reason: str) -> Row:
     if row.state not in REJECTABLE:
         raise JobStateRefused(job_id, "reject", row.state, REJECTABLE)
     await tx.transition(KIND, job_id, from_state=row.state, version=row.version, to_state="REJECTING",
-                        reason=f"rejected by an operator: {reason}"[:200], changes={"detail": reason})
+                        reason=f"rejected by an operator: {reason}"[:200],
+                        changes={"detail": reason, "verdict": _verdict(tx, "reject", reason)})
     return row
 
 
@@ -99,5 +134,5 @@ async def resolve_job(tx: WriteTx, job_id: str, decision: str, *, reason: str,
     return row
 
 
-__all__ = ["DECISIONS", "REJECTABLE", "InvalidDecision", "JobNotFound", "JobStateRefused", "reject_job",
-           "resolve_job"]
+__all__ = ["DECISIONS", "REJECTABLE", "InvalidDecision", "JobNotFound", "JobStateRefused", "VerdictRecorded",
+           "acknowledge_job", "reject_job", "resolve_job"]

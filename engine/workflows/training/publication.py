@@ -4,14 +4,15 @@ The training controller hands a job to :class:`Publisher` from ``CHECKPOINT`` on
 is a durable transition; every engine call is safe to repeat (pausing a paused engine, loading
 the same version again), so a step interrupted by a crash is simply done again.
 
-1. ``CHECKPOINT``: pause every engine; then, in one transaction, allocate the target runtime
+1. ``CHECKPOINT``: pause every engine (a pause that fails is said in ``detail`` by a self-transition
+   and the step is tried again after ``retry_after_s``: nothing is allocated until every engine
+   paused); then, in one transaction, allocate the target runtime
    load id (the next sequence of the committed head's incarnation that no version of the
    deployment has used yet, so a rejected candidate's id is never given to other weights; a
    deployment's first publication registers the weights the engines started with as
    ``<new incarnation>:0``, committed), create its ``weight_versions`` row (``target``) and move
    the job to ``UPDATING_WEIGHTS`` with it. The target is durable before any byte of weights is
-   sent, so every retry uses the same id. A pause that fails is recorded the same way (with
-   ``detail``), and the retry of step 2 pauses every engine again.
+   sent, so every retry uses the same id.
 2. ``UPDATING_WEIGHTS``: have the trainer write the job's weights as the target version (it
    loads the job's checkpoint first if its latest step is not this job), load them on every
    engine from disk, and check that every engine reports the target. Then, in one
@@ -19,8 +20,10 @@ the same version again), so a step interrupted by a crash is simply done again.
    engines that confirmed it. The engines stay paused. A failure records why, counts the
    attempt, and the step is tried again later in full (engines paused again, weights written
    and loaded again).
-3. ``READY_TO_COMMIT``: the head commit — the version ``committed`` and the job
-   ``HEAD_COMMITTED`` with ``commit_acknowledged`` — in one transaction.
+3. ``READY_TO_COMMIT``: the commit gate (:mod:`engine.workflows.training.commit_gate`) gives its
+   verdict, or says how long to wait for one (engines still paused). ``commit``: the head commit —
+   the version ``committed`` and the job ``HEAD_COMMITTED`` with ``commit_acknowledged`` and the
+   verdict — in one transaction; ``reject``: ``REJECTING`` with the verdict (step 5).
 4. ``HEAD_COMMITTED``: every engine must report the committed version (one that does not, such
    as an engine restarted meanwhile, is paused and loads it from disk again); only then does
    generation continue on every engine; ``COMPLETE``.
@@ -49,6 +52,8 @@ from journal.writes import Row, to_row
 from workers.inference.engine import InferenceEngine
 
 from engine.runtime.reconciler import Context, Result
+from engine.workflows.training.commit_gate import (CommitGate, CommitGateSettings, Wait, candidate_info,
+                                                   incumbent_info)
 from engine.workflows.training.identity import LoadId
 
 log = logging.getLogger("tidelog.publication")
@@ -69,6 +74,8 @@ class PublicationSettings:
     #: The weights directory the engines started with: recorded as the first committed version's
     #: ``weights_path``, so an engine can be put back on it (None: it cannot be).
     initial_weights: str | None = None
+    #: Who decides that a READY_TO_COMMIT candidate becomes the head (``training.commit``).
+    gate: CommitGateSettings = CommitGateSettings()
 
 
 class Publisher:
@@ -89,6 +96,7 @@ class Publisher:
         self.names = list(engines) if isinstance(engines, Mapping) else [str(i) for i in range(len(engines))]
         self.engines = list(engines.values()) if isinstance(engines, Mapping) else list(engines)
         self.settings = settings
+        self.gate = CommitGate(settings.gate)
         #: Held by every publication step and by the engine gate (engine/workflows/training/engine_gate.py).
         self.lock = asyncio.Lock()
 
@@ -150,12 +158,20 @@ class Publisher:
                 .order_by(t.c.sequence.desc()).limit(1))
 
     async def _start(self, ctx: Context, row: Row) -> Result:
+        if row["detail"] is not None:
+            # The last pause failed (its commit woke us at once): wait out the retry delay.
+            wait = self.settings.retry_after_s - (ctx.clock.now() - row["updated_at"]).total_seconds()
+            if wait > 0:
+                return Result(requeue_after=wait)
         try:
             await self._each(lambda e: e.pause_generation(self.settings.pause_mode))
-            failed = None
-        except Exception as exc:  # noqa: BLE001 - recorded with the target; the retry pauses every engine again
-            failed = f"pausing the engines failed ({type(exc).__name__}: {exc}); trying again in full"
-            log.warning("job %s: %s", row.id[:12], failed)
+        except Exception as exc:  # noqa: BLE001 - the job stays CHECKPOINT, nothing allocated; tried again
+            why = f"pausing the engines failed ({type(exc).__name__}: {exc}); trying again"
+            log.warning("job %s: %s", row.id[:12], why)
+            if row["detail"] != why:
+                await ctx.apply(Transition(KIND, row.id, "CHECKPOINT", row.version, "CHECKPOINT", why[:200],
+                                           {"detail": why}))
+            return Result(requeue_after=self.settings.retry_after_s)
         initial: LoadId | None = None
         target = ""
 
@@ -185,11 +201,9 @@ class Publisher:
                     "sequence": nxt.sequence, "job_id": row.id, "weights_path": self.weights_path(target)},
                     "target"),
                 Transition(KIND, row.id, "CHECKPOINT", row.version, "UPDATING_WEIGHTS",
-                           (failed or f"engines paused; publishing as {target}")[:200],
-                           {"target_load_id": target, "publish_attempts": 1, "detail": failed})])
+                           f"engines paused; publishing as {target}"[:200],
+                           {"target_load_id": target, "publish_attempts": 1, "detail": None})])
         await ctx.write(write)
-        if failed is not None:
-            return Result(requeue_after=self.settings.retry_after_s)
         if initial is not None:
             # Name what the engines serve by the id it was just registered under (only a label).
             label = str(initial)
@@ -225,7 +239,8 @@ class Publisher:
         version = await ctx.get(VERSIONS, target)
         ops: list[Transition] = [Transition(KIND, row.id, "UPDATING_WEIGHTS", row.version, "READY_TO_COMMIT",
                                             f"every engine serves {target}; still paused",
-                                            {"runtime_load_id": target, "detail": None})]
+                                            {"runtime_load_id": target, "detail": None,
+                                             "ready_at": ctx.clock.now(), "verdict": None})]
         if version is not None and version.state == "target":
             ops.append(Transition(VERSIONS, target, "target", version.version, "loaded",
                                   f"loaded by {len(self.engines)} engines",
@@ -235,9 +250,24 @@ class Publisher:
 
     async def _commit(self, ctx: Context, row: Row) -> Result:
         target: str = row["runtime_load_id"]
+        head = await self.head(ctx)
+        incumbent_job = await ctx.get(KIND, head["job_id"]) if head is not None and head["job_id"] else None
+        verdict = await self.gate.decide(ctx, row, candidate_info(row, self.weights_path(target)),
+                                         incumbent_info(head, incumbent_job))
+        if isinstance(verdict, Wait):
+            if verdict.say is not None and row["detail"] != verdict.say:
+                await ctx.apply(Transition(KIND, row.id, "READY_TO_COMMIT", row.version, "READY_TO_COMMIT",
+                                           verdict.say[:200], {"detail": verdict.say}))
+            return Result(requeue_after=verdict.after)
+        if verdict["decision"] == "reject":
+            why = f"rejected by {verdict['by']}: {verdict['reason']}"
+            await ctx.apply(Transition(KIND, row.id, "READY_TO_COMMIT", row.version, "REJECTING", why[:200],
+                                       {"verdict": verdict, "detail": why}))
+            return Result()
         version = await ctx.get(VERSIONS, target)
         ops = [Transition(KIND, row.id, "READY_TO_COMMIT", row.version, "HEAD_COMMITTED",
-                          f"head committed at {target}", {"commit_acknowledged": True})]
+                          f"head committed at {target} ({verdict['by']})",
+                          {"commit_acknowledged": True, "verdict": verdict, "detail": None})]
         if version is not None and version.state == "loaded":
             ops.append(Transition(VERSIONS, target, "loaded", version.version, "committed", f"head of job {row.id[:12]}"))
         await ctx.apply(*ops)  # one transaction: the head commit is the job's

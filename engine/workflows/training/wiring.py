@@ -20,14 +20,11 @@ from workers.inference.engine import InferenceEngine
 from workers.inference.sglang import SGLangConfig, SGLangEngine
 
 from engine.config import Settings
+from engine.workflows.training.commit_gate import CommitGateSettings, Evaluator
 from engine.workflows.training.engine_gate import EngineGateController, GateSettings, engine_id
 from engine.workflows.training.publication import PublicationSettings
 from engine.workflows.training.controller import TrainingController, TrainingSettings
 from engine.workflows.training.trainer_host import TrainerHost
-
-#: Import path of the reference trainer (the default of ``training.trainer.class``): the orchestrator
-#: names the class by path, so it does not import torch unless it trains in process.
-TRAINER = "workers.trainer.worker:Trainer"
 
 
 @dataclass
@@ -76,7 +73,11 @@ def build_training(settings: Settings) -> TrainingParts:
     publication = PublicationSettings(
         deployment=t.deployment, weights_dir=_absolute(t.weights_dir), pause_mode=t.pause_mode,
         retry_after_s=t.publish_retry_after_s,
-        initial_weights=None if t.initial_weights is None else _absolute(t.initial_weights))
+        initial_weights=None if t.initial_weights is None else _absolute(t.initial_weights),
+        gate=CommitGateSettings(
+            mode=t.commit, acknowledge_timeout_s=t.acknowledge_timeout_s, on_acknowledge_timeout=t.on_acknowledge_timeout,
+            evaluator=None if t.evaluator.callable is None else Evaluator(t.evaluator.callable, t.evaluator.kwargs),
+            evaluate_timeout_s=t.evaluator.timeout_s, retry_after_s=t.publish_retry_after_s))
     controller = TrainingController(host, TrainingSettings(
         checkpoint_dir=_absolute(t.checkpoint_dir), deployment=t.deployment, train_timeout_s=t.train_timeout_s,
         call_timeout_s=t.call_timeout_s, retry_after_s=t.retry_after_s, ranks=t.executor.workers),
@@ -86,4 +87,4 @@ def build_training(settings: Settings) -> TrainingParts:
     return TrainingParts(host, engines, controller, gate)
 
 
-__all__ = ["TRAINER", "TrainingParts", "build_training", "executor_config"]
+__all__ = ["TrainingParts", "build_training", "executor_config"]
