@@ -2,13 +2,15 @@
 
 File layout (format 1)::
 
-    {"format": 1, "job_id": ..., "magic": "tidelog-trainer-checkpoint",
+    {"format": 1, "job_id": ..., "magic": "tidelog-trainer-checkpoint", "metrics": {...},
      "sha256": <hex of payload>, "size": <payload bytes>, "step": ...}\\n
-    <payload: torch.save of {"job_id", "step", "model", "optimizer", "config"}>
+    <payload: torch.save of {"job_id", "step", "metrics", "model", "optimizer", "config"}>
 
-The header is one line of JSON, so the job id and step can be read without torch; the
-payload repeats both, and the digest covers the payload, so neither half can be altered
-without :func:`verify_checkpoint` noticing. A checkpoint is written with
+The header is one line of JSON, so the job id, the step and the step's training metrics can be
+read without torch; the payload repeats them, and the digest covers the payload, so neither half
+can be altered without :func:`verify_checkpoint` noticing. The metrics are what ``train`` returned
+for the step: an orchestrator that settles a job from its checkpoint after a crash records them
+(a file written before metrics were kept has none: ``{}``). A checkpoint is written with
 :func:`~workers.files.write_atomically` (temporary file, fsync, rename, fsync of
 the directory): a reader sees the previous file or the whole new one.
 
@@ -24,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,29 +50,42 @@ class CheckpointInfo:
     step: int
     sha256: str
     size: int
+    #: The training metrics of the step (``train``'s reply), empty for a file that kept none.
+    metrics: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 def write_checkpoint(path: str | Path, *, job_id: str, step: int, model: dict[str, torch.Tensor],
-                     optimizer: dict[str, Any], config: dict[str, Any]) -> CheckpointInfo:
-    """Write a checkpoint atomically; tensors are moved to the CPU first. Returns its info."""
+                     optimizer: dict[str, Any], config: dict[str, Any],
+                     metrics: dict[str, Any] | None = None) -> CheckpointInfo:
+    """Write a checkpoint atomically; tensors are moved to the CPU first. Returns its info.
+
+    ``metrics`` (plain JSON, finite numbers) go into the header and the payload."""
     if not isinstance(job_id, str) or not job_id:
         raise CheckpointError(str(path), f"job_id {job_id!r} must be a non-empty string")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise CheckpointError(str(path), f"step {step!r} must be an int >= 0")
+    kept = dict(metrics or {})
+    try:
+        json.dumps(kept, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(str(path), f"metrics must be plain JSON with finite numbers ({exc})") from None
     buf = io.BytesIO()
-    torch.save({"job_id": job_id, "step": step, "model": _to_cpu(model),
+    torch.save({"job_id": job_id, "step": step, "metrics": kept, "model": _to_cpu(model),
                 "optimizer": _to_cpu(optimizer), "config": dict(config)}, buf)
     payload = buf.getvalue()
     digest = hashlib.sha256(payload).hexdigest()
-    header = {"format": FORMAT, "job_id": job_id, "magic": MAGIC, "sha256": digest,
+    header = {"format": FORMAT, "job_id": job_id, "magic": MAGIC, "metrics": kept, "sha256": digest,
               "size": len(payload), "step": step}
     line = json.dumps(header, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+    if len(line) >= MAX_HEADER_BYTES:
+        raise CheckpointError(str(path), f"the header with its metrics is {len(line)} bytes, over "
+                                         f"{MAX_HEADER_BYTES}: keep the step's metrics small")
     target = Path(path)
     write_atomically(target, line + b"\n" + payload)
-    return CheckpointInfo(str(target), job_id, step, digest, len(payload))
+    return CheckpointInfo(str(target), job_id, step, digest, len(payload), kept)
 
 
 def _to_cpu(value: Any) -> Any:
@@ -129,7 +144,10 @@ def read_checkpoint(path: str | Path) -> tuple[CheckpointInfo, dict[str, Any]]:
     if state["job_id"] != header["job_id"] or state["step"] != header["step"]:
         raise CheckpointError(name, f"header names job {header['job_id']!r} step {header['step']}, "
                                     f"payload job {state['job_id']!r} step {state['step']}")
-    return CheckpointInfo(name, header["job_id"], header["step"], digest, header["size"]), state
+    metrics = header.get("metrics", {})
+    if state.get("metrics", {}) != metrics or not isinstance(metrics, dict):
+        raise CheckpointError(name, "the header's metrics are not the payload's")
+    return CheckpointInfo(name, header["job_id"], header["step"], digest, header["size"], metrics), state
 
 
 def verify_checkpoint(path: str | Path) -> CheckpointInfo:

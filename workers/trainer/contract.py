@@ -50,8 +50,9 @@ class TrainerContract(Protocol):
         ...
 
     def verify_checkpoint(self, path: str) -> dict[str, Any]:
-        """``{"job_id": ..., "step": ...}`` (more keys allowed) of the checkpoint at ``path`` if it is
-        whole; any exception otherwise. A truncated or altered checkpoint must not verify: the
+        """``{"job_id": ..., "step": ..., "metrics": {...}?}`` (more keys allowed) of the checkpoint at
+        ``path`` if it is whole; any exception otherwise. ``metrics``, when given, are the ones ``train``
+        returned for that step: a job settled from the checkpoint after a crash records them. A truncated or altered checkpoint must not verify: the
         orchestrator settles an ambiguous job from a checkpoint that verifies and names it."""
         ...
 

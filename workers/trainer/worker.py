@@ -103,6 +103,8 @@ class Trainer:
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=self._config["lr"])
         self.step = 0
         self.last_job_id: str | None = None
+        #: ``train``'s reply for the latest step, kept in its checkpoint (evidence with its metrics).
+        self.last_metrics: dict[str, Any] = {}
         self.prepared: WeightsTarget | None = None
         #: The job whose step began and did not finish (it raised part-way): the weights may hold
         #: part of it. Cleared by a finished step or a loaded checkpoint.
@@ -138,7 +140,7 @@ class Trainer:
         self.in_doubt = None
         if self._state_dir is not None:
             write_step_record(self._state_dir, self.step, parsed.job_id, "applied")
-        return {
+        self.last_metrics = {
             "job_id": parsed.job_id,
             "step": self.step,
             "loss": float(loss.item()),
@@ -147,6 +149,7 @@ class Trainer:
             "rollouts": len(parsed.rollouts),
             "tokens": int(batch.targets.numel()),
         }
+        return dict(self.last_metrics)
 
     # -- checkpoints ------------------------------------------------------------------
 
@@ -163,7 +166,8 @@ class Trainer:
             raise TrainerStateError(f"job_id {job_id!r} is not the job of step {self.step} "
                                     f"({self.last_job_id!r})")
         info = write_checkpoint(path, job_id=job_id, step=self.step, model=self.model.state_dict(),
-                                optimizer=self.optimizer.state_dict(), config=self._config)
+                                optimizer=self.optimizer.state_dict(), config=self._config,
+                                metrics=self.last_metrics)
         return info.as_dict()
 
     def verify_checkpoint(self, path: str) -> dict[str, Any]:
@@ -182,6 +186,7 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = info.step
         self.last_job_id = info.job_id
+        self.last_metrics = dict(info.metrics)
         self.in_doubt = None
         if self._state_dir is not None:
             write_step_record(self._state_dir, info.step, info.job_id, "loaded")

@@ -325,7 +325,7 @@ class TrainingController(BaseController):
                 await ctx.apply(Transition(KIND, row.id, "AMBIGUOUS", row.version, "CHECKPOINT",
                                            f"settled: checkpoint {path} verifies and carries the job",
                                            {"checkpoint_path": path, "ambiguity": None,
-                                            "metrics": {"settled_from": "verified checkpoint", "step": info["step"]}}))
+                                            "metrics": _settled(info, "verified checkpoint")}))
                 return Result()
             try:
                 health: dict[str, Any] = await self._call("health")
@@ -345,7 +345,7 @@ class TrainingController(BaseController):
                                            f"settled: the trainer's latest step {info['step']} is this job; "
                                            f"checkpoint saved and verified",
                                            {"checkpoint_path": path, "ambiguity": None,
-                                            "metrics": {"settled_from": "live trainer", "step": info["step"]}}))
+                                            "metrics": _settled(info, "live trainer")}))
                 return Result()
             record = health.get("step_record")
             # No record proves nothing from a trainer that took steps without keeping one (no state_dir):
@@ -375,6 +375,13 @@ class TrainingController(BaseController):
             await ctx.apply(Transition(KIND, row.id, "AMBIGUOUS", row.version, "AMBIGUOUS",
                                        "still ambiguous: " + why[:180], {"ambiguity": why}))
         return Result(requeue_after=self.settings.retry_after_s)
+
+
+def _settled(info: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """A settled job's metrics: the step's training metrics its checkpoint kept (the trainer contract's
+    ``verify_checkpoint`` reply, when it has them), with where the settlement came from."""
+    kept = info.get("metrics")
+    return {**(kept if isinstance(kept, Mapping) else {}), "settled_from": source, "step": info["step"]}
 
 
 def _refused_before_any_step(exc: BaseException) -> bool:

@@ -38,6 +38,23 @@ def test_a_saved_checkpoint_verifies_with_its_job_and_step(saved: tuple[Trainer,
     assert [p.name for p in path.parent.iterdir()] == ["model.ckpt"]
 
 
+def test_a_checkpoint_keeps_its_steps_metrics_and_an_edit_of_them_is_caught(saved: tuple[Trainer, Path],
+                                                                              tmp_path: Path) -> None:
+    trainer, path = saved
+    info = verify_checkpoint(path)
+    assert info.metrics == trainer.last_metrics and info.metrics["job_id"] == "job-7"
+    assert set(info.metrics) >= {"loss", "grad_norm", "reward_mean", "step"}
+    # A trainer that loads it has them again (and would keep them in its next checkpoint of that step).
+    fresh = Trainer()
+    fresh.load_checkpoint(str(path))
+    assert fresh.last_metrics == info.metrics
+    header, payload = _split(path)
+    header["metrics"] = {**info.metrics, "loss": 0.0}
+    path.write_bytes(json.dumps(header).encode() + b"\n" + payload)
+    with pytest.raises(CheckpointError, match="the header's metrics are not the payload's"):
+        verify_checkpoint(path)
+
+
 def test_a_truncated_checkpoint_fails_verification(saved: tuple[Trainer, Path]) -> None:
     _, path = saved
     data = path.read_bytes()

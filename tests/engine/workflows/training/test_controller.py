@@ -108,11 +108,12 @@ async def test_a_job_trained_before_the_crash_is_never_trained_again(harness: Ha
     finally:
         await other.dispose()
     # The dead orchestrator had called train (the step ran), then died before the checkpoint.
-    harness.trainer("train", {**payload(), "job_id": job_id})
+    trained = harness.trainer("train", {**payload(), "job_id": job_id})
     orch = await harness.start()
     row = await until_state(orch.journal, job_id, "CHECKPOINT")
     assert harness.trainer("health")["step"] == 1
-    assert row["metrics"]["settled_from"] == "live trainer"
+    # Settled with the step's own training metrics, not only where the evidence came from.
+    assert row["metrics"] == {**trained, "settled_from": "live trainer", "step": 1}
     assert verify_checkpoint(row["checkpoint_path"]).job_id == job_id
 
 
@@ -124,12 +125,13 @@ async def test_a_verified_checkpoint_settles_an_ambiguous_job(harness: Harness, 
     finally:
         await other.dispose()
     # Trained and checkpointed by the dead orchestrator; then a later job moved the trainer on...
-    harness.trainer("train", {**payload(), "job_id": job_id})
+    trained = harness.trainer("train", {**payload(), "job_id": job_id})
     harness.trainer("save_checkpoint", str(harness.checkpoints / f"{job_id}.ckpt"), job_id)
     harness.trainer("train", {**payload(5), "job_id": "a-later-job"})
     orch = await harness.start()
     row = await until_state(orch.journal, job_id, "CHECKPOINT")
-    assert row["metrics"]["settled_from"] == "verified checkpoint"
+    # The checkpoint kept the step's training metrics: the settled job has them.
+    assert row["metrics"] == {**trained, "settled_from": "verified checkpoint", "step": 1}
     assert harness.trainer("health")["step"] == 2  # nothing trained again
 
 
