@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # GPU smoke check of the SGLang adapter (workers/inference/sglang.py) against a real SGLang server.
 #
-# On a host with CUDA and SGLang installed it starts `python -m sglang.launch_server` with a small
-# model and memory release enabled, waits for /health, runs tests/workers/inference against it
+# On a host with CUDA and SGLang installed it starts `python -m sglang.launch_server` with the
+# reference model in Hugging Face format (workers/policy.py: written here, seed 0, beside a seed-1
+# copy for the weight-update test) or TIDELOG_SGLANG_MODEL, and memory release enabled, waits for /health, runs tests/workers/inference against it
 # (TIDELOG_SGLANG_URL; tests that need the reference engine's test routes skip, saying so), and
 # stops the server. On a host without CUDA or without SGLang it says it cannot run and exits 0.
 #
 # Settings (environment):
 #   PYTHON                         interpreter (default: .venv/bin/python, else python3)
-#   TIDELOG_SGLANG_MODEL           model path or hub id (default Qwen/Qwen2.5-0.5B-Instruct)
+#   TIDELOG_SGLANG_MODEL           model path or hub id (default: the reference model, written here)
 #   TIDELOG_SGLANG_OTHER_MODEL     optional second checkpoint of the same architecture, so the
-#                                  weight-update test also checks that generations change
+#                                  weight-update test also checks that generations change (default
+#                                  with the reference model: its seed-1 copy)
 #   TIDELOG_SGLANG_PORT            port (default: a free one)
 #   TIDELOG_SGLANG_START_TIMEOUT   seconds to wait for /health (default 600)
 #   TIDELOG_SGLANG_EXTRA_ARGS      extra launch_server arguments
@@ -31,7 +33,16 @@ if ! "$PY" -c 'import sglang' >/dev/null 2>&1; then
   exit 0
 fi
 
-MODEL=${TIDELOG_SGLANG_MODEL:-Qwen/Qwen2.5-0.5B-Instruct}
+MODEL=${TIDELOG_SGLANG_MODEL:-}
+if [[ -z "$MODEL" ]]; then
+  # The reference model as a publication writes it: config.json, model.safetensors, tokenizer files.
+  REF=$(mktemp -d -t tidelog-reference-model-XXXXXX)
+  "$PY" -c 'import sys; from workers.policy import Policy, save_weights
+save_weights(Policy(seed=0), sys.argv[1] + "/initial", "initial")
+save_weights(Policy(seed=1), sys.argv[1] + "/other", "other")' "$REF"
+  MODEL="$REF/initial"
+  export TIDELOG_SGLANG_OTHER_MODEL=${TIDELOG_SGLANG_OTHER_MODEL:-$REF/other}
+fi
 PORT=${TIDELOG_SGLANG_PORT:-$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
 START_TIMEOUT=${TIDELOG_SGLANG_START_TIMEOUT:-600}
 URL="http://127.0.0.1:${PORT}"

@@ -1,88 +1,142 @@
-"""The reference policy: the one small torch model the trainer trains and the reference engine serves.
+"""The reference policy: a tiny Hugging Face causal LM the trainer trains and the reference engine serves.
 
 The trainer (``workers/trainer``) takes optimizer steps on it; the reference inference engine
-(``workers/inference``) generates with it and loads new weights from disk. Both sides import
-this module, so the weights a trainer writes are exactly what an engine loads.
+(``workers/inference``) generates with it and loads new weights from disk. Both sides import this
+module, so the weights a trainer writes are exactly what an engine loads.
 
-Weights on disk (a *weights directory*), written by :func:`save_weights`:
+**The model** is a ``LlamaForCausalLM`` built from a config in code (:func:`model_config`: one
+layer, one attention head of 64 dimensions, rotary positions, untied head), never downloaded. Its
+vocabulary is the reference task's characters: ``a``-``z`` are ids 0-25 and a space is 26 (every
+other character reads as a space, upper case as lower case). Weights are initialised from
+``seed`` alone, without touching the process's random state.
 
-- ``model.pt`` — the model's ``state_dict`` saved with ``torch.save``;
-- ``weights.json`` — ``{"version": <str>, "sha256": <hex digest of model.pt>, "vocab": <int>,
-  "dim": <int>}``, written after ``model.pt``.
+**The tokenizer** is built offline from that vocabulary (:func:`build_tokenizer`: a ``tokenizers``
+word-level model over single characters, wrapped as a ``PreTrainedTokenizerFast``) and gives the
+ids :func:`encode` gives.
 
-Both files are written atomically (:func:`workers.files.write_atomically`), the digest last,
-so a fresh directory is readable once ``weights.json`` exists. A reader that races a
-rewrite of the same directory may see the new ``model.pt`` with the old digest: it gets
-:class:`WeightsError`, never weights that do not match their version. :func:`load_weights`
-checks the digest and the shape and raises :class:`WeightsError` naming the file and the
-rule broken.
+**A weights directory** (:func:`save_weights`) is what ``transformers``'
+``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained`` and SGLang's
+``update_weights_from_disk`` load:
 
-The model maps a token to a distribution over the next token (an embedding and a linear head
-over a small vocabulary). Generation is greedy, so the same weights and prompt always give
-the same tokens.
+- ``config.json``, ``generation_config.json``, ``model.safetensors`` — ``save_pretrained``;
+- ``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json`` — the tokenizer;
+- ``weights.json`` — ``{"version": <str>, "sha256": <hex digest of model.safetensors>, "vocab": <int>,
+  "dim": <int>}``, written last.
+
+Each file is written to a temporary name and renamed into place (fsync'd), ``weights.json``
+last, so a fresh directory is readable once ``weights.json`` exists. A reader that races a rewrite
+of the same directory may see new weights with the old digest: it gets :class:`WeightsError`, never
+weights that do not match their version. :func:`load_weights` checks the digest, the config and
+the tensors' names and shapes, and raises :class:`WeightsError` naming the file and the rule.
+
+Generation (:meth:`Policy.generate`) is greedy over the whole prefix, so the same weights and
+prompt always give the same tokens, and ``from_pretrained(...).generate(do_sample=False)`` gives
+them too.
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from .files import write_atomically
+from .files import fsync_directory, write_atomically
 
 #: Tokens of the reference task: the letters ``a``-``z`` and a space (id 26).
 VOCAB = 27
-DIM = 16
-MODEL_FILE = "model.pt"
+#: The hidden size (one attention head of this many dimensions).
+DIM = 64
+MODEL_FILE = "model.safetensors"
 META_FILE = "weights.json"
+#: What ``save_pretrained`` of the model and the tokenizer write (besides :data:`META_FILE`).
+HF_FILES = ("config.json", "generation_config.json", MODEL_FILE, "tokenizer.json", "tokenizer_config.json",
+            "special_tokens_map.json")
+#: The longest sequence the rotary positions are configured for.
+MAX_POSITIONS = 4096
+SPACE = 26
 
 
 class WeightsError(ValueError):
-    """A weights directory that cannot be loaded (missing file, digest or shape mismatch)."""
+    """A weights directory that cannot be loaded (missing file, digest, config or shape mismatch)."""
+
+
+def model_config(vocab: int = VOCAB, dim: int = DIM) -> LlamaConfig:
+    """The reference model's config: a causal LM small enough to train a step in milliseconds on a CPU."""
+    return LlamaConfig(  # type: ignore[no-untyped-call]  # transformers' constructors are untyped
+        vocab_size=vocab, hidden_size=dim, intermediate_size=2 * dim, num_hidden_layers=1,
+                       num_attention_heads=1, num_key_value_heads=1, max_position_embeddings=MAX_POSITIONS,
+                       tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                       attn_implementation="eager", torch_dtype="float32")
+
+
+def build_tokenizer(vocab: int = VOCAB) -> PreTrainedTokenizerFast:
+    """The character tokenizer of the reference task, built offline (see the module docs)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    chars = {chr(97 + i): i for i in range(26)}
+    chars[" "] = SPACE
+    words = {c: i for c, i in chars.items() if i < vocab}
+    tok = Tokenizer(models.WordLevel(vocab=words, unk_token=" "))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tok, unk_token=" ", clean_up_tokenization_spaces=False)
 
 
 class Policy(nn.Module):
-    """Next-token logits from the previous token: ``embed`` then a linear ``head``."""
+    """The reference causal LM (see the module docs); ``lm`` is the ``LlamaForCausalLM`` itself."""
 
     def __init__(self, vocab: int = VOCAB, dim: int = DIM, seed: int = 0) -> None:
         super().__init__()
-        generator = torch.Generator().manual_seed(seed)
         self.vocab = vocab
         self.dim = dim
-        self.embed = nn.Embedding(vocab, dim)
-        self.head = nn.Linear(dim, vocab)
-        with torch.no_grad():  # seeded init, independent of the global RNG
-            self.embed.weight.copy_(torch.randn(vocab, dim, generator=generator) * 0.5)
-            self.head.weight.copy_(torch.randn(vocab, dim, generator=generator) * 0.5)
-            self.head.bias.zero_()
+        # Seeded init that leaves the process's random state as it was (a trainer rank may share it).
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.lm = LlamaForCausalLM(model_config(vocab, dim))  # type: ignore[no-untyped-call]
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits of shape ``tokens.shape + (vocab,)``."""
-        out: torch.Tensor = self.head(self.embed(tokens))
-        return out
+    def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Next-token logits at every position, each given the tokens up to it: ``(L,)`` gives
+        ``(L, vocab)``, ``(B, L)`` gives ``(B, L, vocab)``."""
+        single = tokens.dim() == 1
+        batch = tokens.unsqueeze(0) if single else tokens
+        mask = None if attention_mask is None else (attention_mask.unsqueeze(0) if single else attention_mask)
+        logits: torch.Tensor = self.lm(input_ids=batch, attention_mask=mask, use_cache=False).logits
+        return logits[0] if single else logits
+
+    @torch.no_grad()
+    def next_logits(self, tokens: list[int]) -> torch.Tensor:
+        """The logits of the token after ``tokens`` (which must hold at least one)."""
+        device = next(self.parameters()).device
+        logits: torch.Tensor = self(torch.tensor(tokens, dtype=torch.long, device=device))[-1]
+        return logits.float().cpu()
 
     @torch.no_grad()
     def generate(self, prompt: list[int], max_new_tokens: int) -> list[int]:
         """Greedy continuation of ``prompt`` (which must hold at least one token)."""
         if not prompt:
             raise ValueError("prompt: must hold at least one token")
-        out: list[int] = []
-        last = prompt[-1]
+        seq, out = list(prompt), []
         for _ in range(max_new_tokens):
-            last = int(self(torch.tensor([last])).argmax(-1).item())
-            out.append(last)
+            token = int(self.next_logits(seq).argmax())
+            seq.append(token)
+            out.append(token)
         return out
 
 
 def encode(text: str) -> list[int]:
     """Text to token ids: ``a``-``z`` are 0-25, every other character is a space (26)."""
-    return [ord(c) - 97 if "a" <= c <= "z" else 26 for c in text.lower()]
+    return [ord(c) - 97 if "a" <= c <= "z" else SPACE for c in text.lower()]
 
 
 def decode(tokens: list[int]) -> str:
@@ -90,31 +144,40 @@ def decode(tokens: list[int]) -> str:
 
 
 def save_weights(model: Policy, directory: str | os.PathLike[str], version: str) -> str:
-    """Write ``model``'s weights as ``version`` into ``directory``; returns the SHA-256 of ``model.pt``."""
+    """Write ``model`` as ``version`` into ``directory`` (see the module docs); returns the SHA-256 of
+    ``model.safetensors``."""
     if not version:
         raise ValueError("version: must be a non-empty string")
     target = Path(directory)
     target.mkdir(parents=True, exist_ok=True)
-    buf = io.BytesIO()
-    torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, buf)
-    data = buf.getvalue()
-    digest = hashlib.sha256(data).hexdigest()
-    write_atomically(target / MODEL_FILE, data)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    try:
+        model.lm.save_pretrained(staging, safe_serialization=True)
+        build_tokenizer(model.vocab).save_pretrained(staging)
+        digest = hashlib.sha256((staging / MODEL_FILE).read_bytes()).hexdigest()
+        for name in sorted(p.name for p in staging.iterdir()):
+            # Each file whole or not at all; the digest below is what binds them to the version.
+            write_atomically(target / name, (staging / name).read_bytes())
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     meta = {"version": version, "sha256": digest, "vocab": model.vocab, "dim": model.dim}
     write_atomically(target / META_FILE, json.dumps(meta, sort_keys=True).encode())
+    fsync_directory(target)
     return digest
 
 
 def load_weights(directory: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The state dict and the metadata of a weights directory, verified (see the module docs)."""
+    """The :class:`Policy` state dict and the metadata of a weights directory, verified (see the
+    module docs)."""
     source = Path(directory)
     try:
         meta = json.loads((source / META_FILE).read_text())
         data = (source / MODEL_FILE).read_bytes()
+        config = json.loads((source / "config.json").read_text())
     except FileNotFoundError as exc:
         raise WeightsError(f"{exc.filename}: missing from the weights directory") from None
     except (OSError, ValueError) as exc:
-        raise WeightsError(f"{source / META_FILE}: unreadable ({exc})") from None
+        raise WeightsError(f"{source}: unreadable weights directory ({exc})") from None
     if not isinstance(meta, dict) or not isinstance(meta.get("version"), str) or not meta["version"]:
         raise WeightsError(f"{source / META_FILE}: 'version' must be a non-empty string")
     digest = hashlib.sha256(data).hexdigest()
@@ -125,13 +188,20 @@ def load_weights(directory: str | os.PathLike[str]) -> tuple[dict[str, Any], dic
     for name, value in (("vocab", vocab), ("dim", dim)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise WeightsError(f"{source / META_FILE}: {name!r} must be an integer >= 1, got {value!r}")
-    state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    if not isinstance(config, dict) or (config.get("vocab_size"), config.get("hidden_size")) != (vocab, dim):
+        raise WeightsError(f"{source / 'config.json'}: vocab_size/hidden_size do not match {META_FILE}'s "
+                           f"vocab {vocab} / dim {dim}")
+    try:
+        tensors = load_file(str(source / MODEL_FILE))
+    except Exception as exc:  # safetensors raises its own error types for a damaged file
+        raise WeightsError(f"{source / MODEL_FILE}: not a safetensors file ({exc})") from None
+    state = {f"lm.{k}": v for k, v in tensors.items()}
     expected = Policy(vocab, dim).state_dict()
     if set(state) != set(expected) or any(state[k].shape != expected[k].shape for k in expected):
         raise WeightsError(f"{source / MODEL_FILE}: tensors do not match the reference policy "
-                           f"(vocab {meta.get('vocab')}, dim {meta.get('dim')})")
+                           f"(vocab {vocab}, dim {dim})")
     return state, meta
 
 
-__all__ = ["DIM", "META_FILE", "MODEL_FILE", "VOCAB", "Policy", "WeightsError", "decode", "encode",
-           "load_weights", "save_weights"]
+__all__ = ["DIM", "HF_FILES", "META_FILE", "MODEL_FILE", "VOCAB", "Policy", "WeightsError", "build_tokenizer",
+           "decode", "encode", "load_weights", "model_config", "save_weights"]

@@ -4,19 +4,22 @@
 HTTP (:mod:`workers.inference.reference`). It runs on one asyncio loop, so its state changes
 between ``await`` points only. It models the parts of an SGLang server that the adapter drives:
 
-- **Regions.** ``weights`` is the :class:`~workers.policy.Policy` itself (released, its tensors
-  move to a host-side backup and the model is dropped; resumed, it is rebuilt from the backup).
-  ``kv_cache`` is the prefix cache: prompts seen recently, reported as ``cached_tokens``.
-  ``cuda_graph`` is the captured next-token table (the model applied to every token), replayed
-  by each decoding step and captured again whenever the weights change. A request runs only
-  while every region is resident; otherwise it waits.
+- **Regions.** ``weights`` is the :class:`~workers.policy.Policy` itself, a Hugging Face causal LM
+  (released, its tensors move to a host-side backup and the model is dropped; resumed, it is
+  rebuilt from the backup). ``kv_cache`` is the prefix cache: prompts seen recently, reported as
+  ``cached_tokens``. ``cuda_graph`` is the table of captured forward passes (next-token logits by
+  token sequence, up to :data:`CAPTURED` of them), replayed by a decoding step that meets a
+  sequence again and dropped whenever the weights change. A request runs only while every region
+  is resident; otherwise it waits.
 - **Pause.** Requests that arrive while paused wait. In-flight requests, at their next token:
   ``abort`` finishes them (and every waiting one) with ``finish_reason {"type": "abort"}``;
   ``retract`` moves them back to waiting, so the cache can be flushed and memory released;
   ``in_place`` keeps them running where they are (flush and release then fail with 400).
-- **Decoding.** Greedy by default; with a temperature > 0, each token is drawn from the
-  softmax of the captured logits over the temperature, by the request's own generator (seeded by
-  ``sampling_seed``, so a request sent again draws the same tokens on the same weights).
+- **Decoding.** Each token is predicted from the whole sequence so far (prompt and output), with
+  ``transformers`` on the CPU. Greedy by default; with a temperature > 0, each token is drawn from
+  the softmax of the logits over the temperature, by the request's own generator (seeded by
+  ``sampling_seed``, so a request sent again draws the same tokens on the same weights). Greedy
+  tokens are what ``from_pretrained(...).generate(do_sample=False)`` gives for the same directory.
 - **Weights.** :meth:`update_weights` loads a weights directory with
   :func:`~workers.policy.load_weights`; a bad directory is refused and the old weights stay.
   Unpaused, the update waits for running requests to finish and holds new ones back (SGLang's
@@ -38,6 +41,8 @@ from ..policy import DIM, VOCAB, Policy, WeightsError, decode, encode, load_weig
 from .engine import PAUSE_MODES, REGIONS
 
 PREFIX_CACHE_SIZE = 1024
+#: Most forward passes the ``cuda_graph`` region keeps (see the module docs).
+CAPTURED = 4096
 HEALTH_RID_PREFIX = "HEALTH_CHECK_"
 
 
@@ -78,6 +83,8 @@ class ReferenceEngineState:
         self.weight_version = weight_version
         self.model_path = model_path
         self.vocab, self.dim = model.vocab, model.dim
+        #: Where the model's tensors live while resident (``cpu`` or a CUDA device).
+        self.device = str(next(model.parameters()).device)
         self.resident = {region: True for region in REGIONS}
         self.paused = False
         self.pause_mode: str | None = None
@@ -85,7 +92,7 @@ class ReferenceEngineState:
         self.forward_sleep: float | None = None
         self.requests: dict[str, Request] = {}
         self._backup: dict[str, torch.Tensor] | None = None
-        self._graph: torch.Tensor | None = None
+        self._graph: OrderedDict[tuple[int, ...], torch.Tensor] | None = None
         self._prefix_cache: OrderedDict[tuple[int, ...], None] = OrderedDict()
         self._changed = asyncio.Condition()
         self._rids = itertools.count()
@@ -116,16 +123,24 @@ class ReferenceEngineState:
                 "forward_sleep_time": self.forward_sleep,
                 "cached_prompts": len(self._prefix_cache)}
 
-    def _graph_table(self) -> torch.Tensor:
-        """The captured next-token logits (``vocab x vocab``), captured now if the weights changed since."""
+    def _logits(self, sequence: list[int]) -> torch.Tensor:
+        """The next-token logits after ``sequence``: replayed from the captured passes, else run now."""
         if self._graph is None:
+            self._graph = OrderedDict()
+        key = tuple(sequence)
+        found = self._graph.get(key)
+        if found is None:
             assert self.model is not None, "generation runs only with the weights resident"
-            with torch.no_grad():
-                self._graph = self.model(torch.arange(self.vocab)).float()
-        return self._graph
+            found = self.model.next_logits(sequence)
+            self._graph[key] = found
+            while len(self._graph) > CAPTURED:
+                self._graph.popitem(last=False)
+        else:
+            self._graph.move_to_end(key)
+        return found
 
-    def _next_token(self, req: Request, last: int) -> int:
-        logits = self._graph_table()[last]
+    def _next_token(self, req: Request) -> int:
+        logits = self._logits(req.prompt + req.output)
         if req.temperature <= 0:
             return int(logits.argmax())
         probs = torch.softmax(logits / req.temperature, dim=-1)
@@ -202,8 +217,7 @@ class ReferenceEngineState:
                 await asyncio.sleep(self.forward_sleep)  # the simulated forward time
                 if req.aborted or not self._can_step():
                     continue  # a pause came during the step: it takes effect before the token
-            last = (req.prompt + req.output)[-1]
-            req.output.append(self._next_token(req, last))
+            req.output.append(self._next_token(req))
             if len(req.output) % 32 == 0:
                 await asyncio.sleep(0)  # let other requests and admin calls in
 
@@ -243,7 +257,8 @@ class ReferenceEngineState:
                 continue  # already released: nothing to do, like a repeated SGLang release
             if region == "weights":
                 assert self.model is not None
-                self._backup = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+                # A host-side copy: the device memory is what a release gives back.
+                self._backup = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
                 self.model = None
             elif region == "kv_cache":
                 self._prefix_cache.clear()
@@ -260,6 +275,7 @@ class ReferenceEngineState:
                 assert self._backup is not None
                 model = Policy(self.vocab, self.dim)
                 model.load_state_dict(self._backup)
+                model.to(self.device)
                 self.model, self._backup, self._graph = model, None, None
             self.resident[region] = True
         await self._notify()

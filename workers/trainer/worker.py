@@ -147,7 +147,7 @@ class Trainer:
             "grad_norm": float(grad_norm.item()),
             "reward_mean": float(batch.rewards.mean().item()),
             "rollouts": len(parsed.rollouts),
-            "tokens": int(batch.targets.numel()),
+            "tokens": batch.tokens,
         }
         return dict(self.last_metrics)
 

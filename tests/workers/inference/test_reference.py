@@ -18,7 +18,7 @@ import pytest
 from workers.inference import (EngineCallError, EngineTimeoutError, EngineUncertainError, SGLangConfig,
                                SGLangEngine)
 from workers.inference.reference import load_state
-from workers.policy import Policy, decode, encode, save_weights
+from workers.policy import MODEL_FILE, Policy, decode, encode, save_weights
 
 from .engines import EngineProc, Recorded, Target, until
 
@@ -87,8 +87,8 @@ async def test_bodies_are_validated_with_sglang_error_shapes(target: Target, htt
 async def test_a_truncated_weights_directory_is_refused_with_success_false(
         target: Target, http: aiohttp.ClientSession, tmp_path: Path, engine: SGLangEngine) -> None:
     save_weights(Policy(seed=3), tmp_path / "w", "v3")
-    data = (tmp_path / "w" / "model.pt").read_bytes()
-    (tmp_path / "w" / "model.pt").write_bytes(data[: len(data) // 2])
+    data = (tmp_path / "w" / MODEL_FILE).read_bytes()
+    (tmp_path / "w" / MODEL_FILE).write_bytes(data[: len(data) // 2])
     status, body = await post(http, target, "/update_weights_from_disk",
                               {"model_path": str(tmp_path / "w"), "weight_version": "v3"})
     assert status == 400
@@ -245,7 +245,7 @@ def test_load_state_serves_the_seed_policy_or_a_weights_directory(tmp_path: Path
     save_weights(Policy(seed=5), tmp_path / "w", "v5")
     state = load_state(tmp_path / "w", 0)
     assert (state.weight_version, state.model_path) == ("v5", str(tmp_path / "w"))
-    (tmp_path / "w" / "model.pt").write_bytes(b"truncated")
+    (tmp_path / "w" / MODEL_FILE).write_bytes(b"truncated")
     with pytest.raises(SystemExit, match="sha256"):
         load_state(tmp_path / "w", 0)
 

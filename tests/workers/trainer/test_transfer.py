@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.workers.trainer.jobs import make_job
-from workers.policy import Policy, load_weights
+from workers.policy import MODEL_FILE, Policy, load_weights
 from workers.trainer import TargetError, Trainer, TrainerStateError, WeightsTarget
 
 
@@ -52,7 +52,7 @@ def test_weights_must_be_prepared_before_they_are_sent(tmp_path: Path) -> None:
     trainer.prepare_weights(WeightsTarget("v1", str(tmp_path)))
     with pytest.raises(TrainerStateError, match="'v2'"):
         trainer.send_weights(WeightsTarget("v2", str(tmp_path)), [receiver])
-    (tmp_path / "model.pt").write_bytes(b"damaged")
+    (tmp_path / MODEL_FILE).write_bytes(b"damaged")
     with pytest.raises(TrainerStateError, match="are not prepared"):
         trainer.send_weights(WeightsTarget("v1", str(tmp_path)), [receiver])
     assert receiver.version is None
