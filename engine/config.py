@@ -41,6 +41,8 @@ class EnvSecrets(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="TIDELOG_", extra="ignore")
     control_token: SecretStr | None = None
+    #: ``TIDELOG_ENGINE_API_KEY``: the inference engines' API key, for those without ``api_key``.
+    engine_api_key: SecretStr | None = None
 
 
 class ConfigError(Exception):
@@ -185,6 +187,10 @@ def _unique_names(entries: list[E], what: str) -> list[E]:
 
 class EngineEntry(ParticipantEntry):
     """An inference engine of the deployment (SGLang's HTTP admin API, or the reference engine)."""
+
+    #: Sent as ``Authorization: Bearer`` (SGLang's ``--api-key``); ``TIDELOG_ENGINE_API_KEY`` is the
+    #: key of every engine that has none here. Never printed.
+    api_key: SecretStr | None = None
 
 
 class RolloutsSettings(_Strict):
@@ -478,6 +484,13 @@ class Settings(_Strict):
                              f"({self.rpc.data_pool}): each attempt in flight holds a data connection")
         return self
 
+    def engine_api_key(self, engine: EngineEntry) -> str | None:
+        """An engine's API key: its own ``api_key``, else ``TIDELOG_ENGINE_API_KEY``, else none."""
+        if engine.api_key is not None and engine.api_key.get_secret_value():
+            return engine.api_key.get_secret_value()
+        env = EnvSecrets().engine_api_key
+        return env.get_secret_value() if env is not None and env.get_secret_value() else None
+
     def token(self) -> str | None:
         """The control token: ``TIDELOG_CONTROL_TOKEN`` first, then ``control.token``."""
         env = EnvSecrets().control_token
@@ -496,7 +509,8 @@ def _format(exc: ValidationError, source: str) -> str:
         value = err.get("input")
         if isinstance(value, str):
             value = _USERINFO.sub(r"\1***@", value)  # a URL's password never reaches an error
-        shown = "" if "token" in where or isinstance(value, dict | list) else f" (got {value!r})"
+        secret = "token" in where or "api_key" in where
+        shown = "" if secret or isinstance(value, dict | list) else f" (got {value!r})"
         lines.append(f"  {where}: {err['msg']}{shown}")
     return "\n".join(lines)
 

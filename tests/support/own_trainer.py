@@ -143,3 +143,13 @@ class BrokenTrustingVerify(SgdTrainer):
     def verify_checkpoint(self, path: str) -> dict[str, Any]:
         info: dict[str, Any] = json.loads(Path(path + ".json").read_text())
         return info
+
+
+class NoCheckpointTrainer(SgdTrainer):
+    """The seed's ``writes_checkpoint`` false: says so in its health, and must never be asked for one."""
+
+    def health(self) -> dict[str, Any]:
+        return {**super().health(), "writes_checkpoint": False}
+
+    def save_checkpoint(self, path: str, job_id: str) -> dict[str, Any]:
+        raise AssertionError("save_checkpoint was called on a trainer that writes no checkpoint")

@@ -27,6 +27,12 @@ bodies and status codes as SGLang for the routes Tidelog uses:
   greedy here, not SGLang's 1.0); then sampled, reproducibly with ``sampling_params.sampling_seed``.
 - ``GET|POST /slow_down {forward_sleep_time}``: seconds added to each decoding step (testing).
 
+With ``--api-key-env NAME`` the server takes its API key from the environment variable ``NAME``
+(never from its command line) and, as SGLang's ``--api-key`` does, answers 401 ``{"error":
+"Unauthorized"}`` to any request without ``Authorization: Bearer <key>``, except the health and
+metrics paths. ``--legacy-model-info`` serves only ``/get_model_info``, as SGLang builds before
+``/model_info`` do (for the adapter's fallback).
+
 A body that fails validation gets SGLang's 400 ``{"object": "error", "message", "type",
 "param", "code"}``. Semantics of pause, regions and weights: :mod:`workers.inference.serving`.
 
@@ -48,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
 import logging
 import os
 import signal
@@ -181,6 +188,21 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return _json({"error": {"message": exc.message}}, exc.status)
 
 
+def _api_key(key: str) -> Any:
+    """SGLang's API-key check: every path but the health and metrics ones needs the Bearer key."""
+    expected = f"Bearer {key}".encode()
+
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.method == "OPTIONS" or request.path.startswith(("/health", "/metrics")):
+            return await handler(request)
+        given = request.headers.get("Authorization", "").encode()
+        if not hmac.compare_digest(given, expected):
+            return _json({"error": "Unauthorized"}, 401)
+        return await handler(request)
+    return check
+
+
 @web.middleware
 async def _faults(request: web.Request, handler: Handler) -> web.StreamResponse:
     if request.path in request.app[DIE_NEXT]:
@@ -204,9 +226,12 @@ async def _faults(request: web.Request, handler: Handler) -> web.StreamResponse:
 
 
 def build_app(state: ReferenceEngineState, *, health_timeout: float = 20.0,
-              test_faults: bool = False, host: str = "127.0.0.1") -> web.Application:
+              test_faults: bool = False, host: str = "127.0.0.1", api_key: str | None = None,
+              legacy_model_info: bool = False) -> web.Application:
     """The HTTP application over ``state`` (see the module docstring for the routes)."""
     middlewares = [_faults, _errors] if test_faults else [_errors]
+    if api_key:
+        middlewares.insert(0, _api_key(api_key))
     app = web.Application(middlewares=middlewares)
     faults: dict[str, tuple[str, float]] = {}
     app[STATE] = state
@@ -228,7 +253,7 @@ def build_app(state: ReferenceEngineState, *, health_timeout: float = 20.0,
         return _json({"weight_version": state.weight_version})
 
     async def server_info(request: web.Request) -> web.Response:
-        body = {**info(), "host": host, "device": "cpu", "health_check_timeout": health_timeout,
+        body = {**info(), "host": host, "device": state.device, "health_check_timeout": health_timeout,
                 "internal_states": [state.stats()], "version": VERSION}
         if test_faults:
             body["armed_faults"] = sorted(faults)
@@ -307,7 +332,7 @@ def build_app(state: ReferenceEngineState, *, health_timeout: float = 20.0,
     r = app.router
     for path in ("/health", "/health_generate"):
         r.add_get(path, health)
-    for path in ("/model_info", "/get_model_info"):
+    for path in (("/get_model_info",) if legacy_model_info else ("/model_info", "/get_model_info")):
         r.add_get(path, model_info)
     r.add_get("/get_weight_version", weight_version)
     r.add_get("/get_server_info", server_info)
@@ -327,17 +352,18 @@ def build_app(state: ReferenceEngineState, *, health_timeout: float = 20.0,
     return app
 
 
-def load_state(model_dir: Path | None, seed: int) -> ReferenceEngineState:
-    """The policy to serve: ``model_dir``'s weights and version, or ``Policy(seed)`` as ``initial``."""
+def load_state(model_dir: Path | None, seed: int, device: str = "cpu") -> ReferenceEngineState:
+    """The policy to serve on ``device``: ``model_dir``'s weights and version, or ``Policy(seed)`` as
+    ``initial``."""
     if model_dir is None:
-        return ReferenceEngineState(Policy(seed=seed), INITIAL_VERSION, f"reference-policy-seed-{seed}")
+        return ReferenceEngineState(Policy(seed=seed).to(device), INITIAL_VERSION, f"reference-policy-seed-{seed}")
     try:
         weights, meta = load_weights(model_dir)
     except WeightsError as exc:
         raise SystemExit(f"--model-dir {model_dir}: {exc}") from None
     model = Policy(int(meta["vocab"]), int(meta["dim"]))
     model.load_state_dict(weights)
-    return ReferenceEngineState(model, str(meta["version"]), str(model_dir))
+    return ReferenceEngineState(model.to(device), str(meta["version"]), str(model_dir))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -348,8 +374,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model-dir", type=Path, default=None,
                    help="weights directory to serve (default: the seed policy as version 'initial')")
     p.add_argument("--seed", type=int, default=0, help="seed of the initial policy (default 0)")
+    p.add_argument("--device", default="cpu", help="torch device to generate on: cpu (default), cuda, cuda:N")
     p.add_argument("--health-check-timeout", type=float, default=20.0,
                    help="seconds /health_generate waits for its 1-token request (default 20)")
+    p.add_argument("--api-key-env", metavar="NAME",
+                   help="require Authorization: Bearer <the value of environment variable NAME> (SGLang's "
+                        "--api-key; the key itself is never an argument)")
+    p.add_argument("--legacy-model-info", action="store_true",
+                   help="serve /get_model_info only, as SGLang builds without /model_info do")
     p.add_argument("--enable-test-faults", action="store_true",
                    help="TEST ONLY: add POST /_test/fail_next and /_test/die_next to inject one "
                         "failure (or a SIGKILL) into a route, and GET /_test/history")
@@ -362,10 +394,21 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(f"--port: {args.port} must lie in [0, 65535]")
     if not args.health_check_timeout > 0:
         raise SystemExit(f"--health-check-timeout: {args.health_check_timeout} must be > 0")
+    api_key = None
+    if args.api_key_env is not None:
+        api_key = os.environ.get(args.api_key_env)
+        if not api_key:
+            raise SystemExit(f"--api-key-env: the environment variable {args.api_key_env} is not set or empty")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise SystemExit(f"--device: {args.device!r} is not a torch device") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device: {args.device!r} asks for CUDA, which this process does not have")
     torch.set_num_threads(1)  # a tiny model; more threads only contend with the rest of the host
-    state = load_state(args.model_dir, args.seed)
+    state = load_state(args.model_dir, args.seed, str(device))
     serve(build_app(state, health_timeout=args.health_check_timeout, test_faults=args.enable_test_faults,
-                    host=args.host), args)
+                    host=args.host, api_key=api_key, legacy_model_info=args.legacy_model_info), args)
 
 __all__ = ["INITIAL_VERSION", "VERSION", "build_app", "load_state", "main", "parser"]
 

@@ -22,7 +22,7 @@ import asyncio
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -65,7 +65,8 @@ class SGLangConfig:
     health_timeout: float = 30.0
     flush_attempts: int = 60
     flush_interval: float = 1.0
-    api_key: str | None = None
+    #: Never in a repr (configurations are logged and put in errors).
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url) if isinstance(self.url, str) else None

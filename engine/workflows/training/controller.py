@@ -198,6 +198,12 @@ class TrainingController(BaseController):
             return health
         latest = await self._latest_step(ctx, row)
         if latest is not None:
+            if (last != latest.id or doubt is not None) and latest["checkpoint_path"] is None:
+                # A trainer that writes no checkpoint (writes_checkpoint false) and lost the live
+                # weights of the deployment's latest step: nothing can bring them back.
+                raise RuntimeError(f"the trainer does not hold job {latest.id[:12]}'s step (its latest is {last!r}) "
+                                   f"and that job has no checkpoint to load (the trainer writes none): an operator "
+                                   f"must restore the trainer's weights or abandon the deployment's lineage")
             if last != latest.id or doubt is not None:
                 log.info("training job %s: the trainer's latest step is %r (in doubt: %r); loading job %s's "
                          "checkpoint first", row.id[:12], last, doubt, latest.id[:12])
@@ -243,12 +249,12 @@ class TrainingController(BaseController):
         return True
 
     async def _latest_step(self, ctx: Context, row: Row) -> Row | None:
-        """The deployment's newest other job whose step is verified and kept (its checkpoint)."""
+        """The deployment's newest other job whose step is kept: with its checkpoint, or without one
+        when the trainer writes none (its weights are then only the live trainer's)."""
         t = models.training_jobs
         async with ctx.journal.read() as conn:
             found = (await conn.execute(
-                sa.select(t).where(t.c.deployment == row["deployment"], t.c.id != row.id,
-                                   t.c.state.in_(KEPT), t.c.checkpoint_path.is_not(None))
+                sa.select(t).where(t.c.deployment == row["deployment"], t.c.id != row.id, t.c.state.in_(KEPT))
                 .order_by(t.c.created_at.desc()).limit(1))).first()
         return None if found is None else to_row(KIND, found._mapping)
 
@@ -276,6 +282,13 @@ class TrainingController(BaseController):
                 else:
                     await ctx.apply(self._ambiguous(row, f"train failed ({type(exc).__name__}: {exc}); the step "
                                                          f"may have run", before))
+                return Result()
+            if not _writes_checkpoint(health):
+                # The seed's writes_checkpoint false: no save, no verify; the job's weights are the
+                # live trainer's, published under the same gate.
+                await ctx.apply(Transition(KIND, row.id, "RUNNING", row.version, "CHECKPOINT",
+                                           "trained; the trainer writes no checkpoint (its live weights are published)",
+                                           {"checkpoint_path": None, "metrics": metrics, "detail": None, **before}))
                 return Result()
             path = self.checkpoint_path(row.id)
             try:
@@ -333,6 +346,13 @@ class TrainingController(BaseController):
                 log.warning("training job %s: the trainer did not answer (%s); looking again later", row.id, exc)
                 return await self._still_ambiguous(ctx, row, f"the trainer's health did not answer "
                                                              f"({type(exc).__name__}: {exc}); looking again later")
+            if health.get("last_job_id") == row.id and health.get("in_doubt") is None and not _writes_checkpoint(health):
+                await ctx.apply(Transition(KIND, row.id, "AMBIGUOUS", row.version, "CHECKPOINT",
+                                           f"settled: the trainer's latest step {health.get('step')} is this job (it "
+                                           f"writes no checkpoint: its live weights are published)",
+                                           {"checkpoint_path": None, "ambiguity": None,
+                                            "metrics": {"settled_from": "live trainer", "step": health.get("step")}}))
+                return Result()
             if health.get("last_job_id") == row.id and health.get("in_doubt") is None:
                 # The live trainer's latest step is this job: make the evidence durable now.
                 try:
@@ -375,6 +395,12 @@ class TrainingController(BaseController):
             await ctx.apply(Transition(KIND, row.id, "AMBIGUOUS", row.version, "AMBIGUOUS",
                                        "still ambiguous: " + why[:180], {"ambiguity": why}))
         return Result(requeue_after=self.settings.retry_after_s)
+
+
+def _writes_checkpoint(health: Mapping[str, Any]) -> bool:
+    """Whether the trainer saves a checkpoint per step: its health's ``writes_checkpoint`` (the
+    trainer contract; true when absent)."""
+    return health.get("writes_checkpoint", True) is not False
 
 
 def _settled(info: Mapping[str, Any], source: str) -> dict[str, Any]:

@@ -222,6 +222,11 @@ class Publisher:
                 await self._ensure_trainer()
             health = await self._trainer("health")
             if health.get("last_job_id") != row.id or health.get("in_doubt") is not None:
+                if row["checkpoint_path"] is None:
+                    # writes_checkpoint false: the job's weights lived only in the trainer that is gone.
+                    raise RuntimeError(f"the trainer no longer holds this job's step (its latest is "
+                                       f"{health.get('last_job_id')!r}) and the job has no checkpoint: its weights "
+                                       f"cannot be published; an operator must reject it")
                 await self._trainer("load_checkpoint", row["checkpoint_path"])
             await self._trainer("prepare_weights", {"version": target, "directory": path})
             await self._each(lambda e: e.update_weights_from_disk(path, target))

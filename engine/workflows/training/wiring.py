@@ -68,7 +68,8 @@ def build_training(settings: Settings) -> TrainingParts:
     host = TrainerHost(lambda: Executor.create(config))
     engines: dict[str, InferenceEngine] = {
         engine_id(t.deployment, e.name): SGLangEngine(SGLangConfig(url=e.url, timeout=t.engine_timeout_s,
-                                                                   weight_update_timeout=t.weight_update_timeout_s))
+                                                                   weight_update_timeout=t.weight_update_timeout_s,
+                                                                   api_key=settings.engine_api_key(e)))
         for e in t.engines}
     publication = PublicationSettings(
         deployment=t.deployment, weights_dir=_absolute(t.weights_dir), pause_mode=t.pause_mode,
