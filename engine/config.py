@@ -9,6 +9,7 @@ printed: it is a ``SecretStr`` everywhere.
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import importlib.util
 import os
 import re
@@ -225,12 +226,26 @@ def _importable(path: str) -> str:
         raise ValueError(f"{path!r} is not an import path 'package.module:Name'")
     module = path.partition(":")[0]
     try:
-        found = importlib.util.find_spec(module)
-    except (ImportError, ValueError) as exc:  # a parent package that is missing or broken
+        found = _find_module(module)
+    except (ImportError, ValueError) as exc:  # a top-level package that is broken
         raise ValueError(f"module {module!r} of {path!r} cannot be found ({exc})") from None
-    if found is None:
+    if not found:
         raise ValueError(f"module {module!r} of {path!r} cannot be found")
     return path
+
+
+def _find_module(name: str) -> bool:
+    """Whether module ``name`` exists, found without running any package's ``__init__``
+    (``importlib.util.find_spec`` of a dotted name imports its parents: naming
+    ``workers.trainer.worker:Trainer`` would import torch). The top-level name goes through every
+    finder (an editable install's too); each part below it is looked for in its parent's directories."""
+    first, *rest = name.split(".")
+    spec = importlib.util.find_spec(first)
+    for part in rest:
+        if spec is None or spec.submodule_search_locations is None:
+            return False
+        spec = importlib.machinery.PathFinder.find_spec(part, list(spec.submodule_search_locations))
+    return spec is not None
 
 
 class TrainerSettingsModel(_Strict):

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load as load_safetensors
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -100,9 +100,10 @@ class Policy(nn.Module):
         super().__init__()
         self.vocab = vocab
         self.dim = dim
-        # Seeded init that leaves the process's random state as it was (a trainer rank may share it).
+        # Seeded init that leaves the process's random state as it was (a trainer rank may share it):
+        # only the CPU generator is seeded (torch.manual_seed would reseed CUDA's too), and restored.
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+            torch.default_generator.manual_seed(seed)
             self.lm = LlamaForCausalLM(model_config(vocab, dim))  # type: ignore[no-untyped-call]
 
     def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -192,11 +193,13 @@ def load_weights(directory: str | os.PathLike[str]) -> tuple[dict[str, Any], dic
         raise WeightsError(f"{source / 'config.json'}: vocab_size/hidden_size do not match {META_FILE}'s "
                            f"vocab {vocab} / dim {dim}")
     try:
-        tensors = load_file(str(source / MODEL_FILE))
+        # From the bytes the digest covered, not a second read a rewrite could change meanwhile.
+        tensors = load_safetensors(data)
     except Exception as exc:  # safetensors raises its own error types for a damaged file
         raise WeightsError(f"{source / MODEL_FILE}: not a safetensors file ({exc})") from None
     state = {f"lm.{k}": v for k, v in tensors.items()}
-    expected = Policy(vocab, dim).state_dict()
+    with torch.device("meta"):  # shapes only: no memory, no initialisation
+        expected = Policy(vocab, dim).state_dict()
     if set(state) != set(expected) or any(state[k].shape != expected[k].shape for k in expected):
         raise WeightsError(f"{source / MODEL_FILE}: tensors do not match the reference policy "
                            f"(vocab {vocab}, dim {dim})")

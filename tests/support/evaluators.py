@@ -40,3 +40,12 @@ class CommitAfterAFailure:
 
 def malformed(candidate: dict[str, Any], incumbent: dict[str, Any] | None) -> Any:
     return {"decision": "ship it", "reason": "looks fine"}
+
+
+def slow(candidate: dict[str, Any], incumbent: dict[str, Any] | None, *, seconds: float, log: str) -> dict[str, Any]:
+    """Commits after ``seconds``: longer than the gate's timeout, to show a late reply is waited for, not
+    asked for twice."""
+    import time
+    _note(log, candidate, incumbent)
+    time.sleep(seconds)
+    return {"decision": "commit", "reason": "slow but sure"}

@@ -145,11 +145,9 @@ class BrokenTrustingVerify(SgdTrainer):
         return info
 
 
-class NoCheckpointTrainer(SgdTrainer):
-    """The seed's ``writes_checkpoint`` false: says so in its health, and must never be asked for one."""
 
-    def health(self) -> dict[str, Any]:
-        return {**super().health(), "writes_checkpoint": False}
+class RefusingTrainer(SgdTrainer):
+    """Refuses every job as malformed: a rank that disagrees with the others about a job."""
 
-    def save_checkpoint(self, path: str, job_id: str) -> dict[str, Any]:
-        raise AssertionError("save_checkpoint was called on a trainer that writes no checkpoint")
+    def train(self, job: Mapping[str, Any]) -> dict[str, Any]:
+        raise JobError("rollouts", "(any)", "this rank refuses every job")

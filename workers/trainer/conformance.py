@@ -112,7 +112,6 @@ class _Run:
                  jobs: Callable[[int], Mapping[str, Any]]) -> None:
         self.cls, self.kwargs, self.workdir, self.jobs = cls, dict(kwargs), workdir, jobs
         self.first: Any = None
-        self.writes = True
         self.job = _job(jobs, 1)
         self.checkpoint = str(workdir / "checkpoints" / "first.ckpt")
 
@@ -123,10 +122,6 @@ class _Run:
 
     def state_dir(self, name: str) -> Path:
         return self.workdir / name / "state"
-
-    def _needs_checkpoints(self) -> None:
-        if not self.writes:
-            raise _Skipped("the trainer writes no checkpoint (health: writes_checkpoint false)")
 
     def implements(self) -> None:
         missing = [m for m in METHODS if not callable(getattr(self.cls, m, None))]
@@ -139,7 +134,6 @@ class _Run:
         missing = [k for k in ("step", "last_job_id", "in_doubt", "step_record") if k not in report]
         if missing:
             raise ConformanceError("health", f"health() has no {missing} (got keys {sorted(report)})")
-        self.writes = report.get("writes_checkpoint", True) is not False
         if report["step"] != 0 or report["last_job_id"] is not None:
             raise ConformanceError("health", f"a fresh trainer reports step {report['step']!r}, last job "
                                              f"{report['last_job_id']!r} (expected 0 and None)")
@@ -200,7 +194,6 @@ class _Run:
                                                   f"{after['step']}, weights digest {weights} -> {digest()})")
 
     def checkpoint_names_job_and_step(self) -> None:
-        self._needs_checkpoints()
         self.first.save_checkpoint(self.checkpoint, self.job["job_id"])
         info = self.first.verify_checkpoint(self.checkpoint)
         if (info.get("job_id"), info.get("step")) != (self.job["job_id"], 1):
@@ -208,7 +201,6 @@ class _Run:
                                                                     f"{info.get('job_id')!r} step {info.get('step')!r}")
 
     def checkpoint_refuses_other_job(self) -> None:
-        self._needs_checkpoints()
         other = str(self.workdir / "checkpoints" / "other.ckpt")
         try:
             self.first.save_checkpoint(other, "f" * 64)
@@ -218,7 +210,6 @@ class _Run:
                                                                "whose step never ran")
 
     def truncated_checkpoint_fails(self) -> None:
-        self._needs_checkpoints()
         # A second checkpoint of the same step, written by the trainer (with whatever it keeps beside
         # it), then cut to half: the file itself, or the largest file of a checkpoint directory.
         damaged = Path(self.workdir / "checkpoints" / "truncated.ckpt")
@@ -234,7 +225,6 @@ class _Run:
         raise ConformanceError("truncated_checkpoint_fails", f"a checkpoint cut to half its size verifies ({info!r})")
 
     def load_continues(self) -> None:
-        self._needs_checkpoints()
         second = self.build("second")
         second.load_checkpoint(self.checkpoint)
         report = second.health()

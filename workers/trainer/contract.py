@@ -82,11 +82,7 @@ class TrainerContract(Protocol):
         """A cheap report, callable at any time: ``step`` (optimizer steps in the weights),
         ``last_job_id`` (the job of the latest step, or None), ``in_doubt`` (a job whose step began and
         did not finish, or None) and ``step_record`` (the durable record as a dict, or None without a
-        ``state_dir``). The orchestrator settles an ambiguous job from these. ``writes_checkpoint``
-        (optional, true when absent): false for a trainer that saves no checkpoint per step (the
-        seed's ``TrainingCheckpoint.writes_checkpoint``); the orchestrator then never calls
-        ``save_checkpoint``, records the job ``CHECKPOINT`` with a null ``checkpoint_path`` and publishes
-        the live weights, and a trainer that lost them cannot be brought back (an operator decides)."""
+        ``state_dir``). The orchestrator settles an ambiguous job from these."""
         ...
 
 

@@ -14,8 +14,10 @@ engine verified on the candidate, still paused). ``training.commit`` says who de
   column, so the wait counts across restarts; it is measured on the orchestrator's clock.
 - ``evaluate``: the configured evaluator is given the candidate and the incumbent (their
   checkpoints, weights and load ids) and returns ``commit`` or ``reject`` with a reason and metrics.
-  It runs in a thread of the orchestrator, bounded by ``timeout_s``; a failure or a malformed reply
-  is said in ``detail`` and it is asked again after ``retry_after_s``. A crash before its verdict is
+  It runs on a thread of its own (one evaluation at a time: a look while one still runs waits for
+  it), and a reply later than ``timeout_s`` counts as a failure; a failure or a malformed reply is
+  said in ``detail`` and it is asked again after ``retry_after_s``. The publisher's lock (and so the
+  engine gate) is held while the gate waits for that reply, at most ``timeout_s``. A crash before its verdict is
   written asks it again, so an evaluator must give the same verdict for the same pair (or at least
   one that is acceptable either way).
 
@@ -29,6 +31,7 @@ import asyncio
 import functools
 import math
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -65,6 +68,10 @@ class Evaluator:
         self.kwargs = dict(kwargs or {})
         self._loader = loader
         self._call: Callable[[dict[str, Any], dict[str, Any] | None], Any] | None = None
+        # One thread of its own: a hung evaluation cannot take the threads trainer calls run on,
+        # and at most one runs (a thread cannot be stopped when its reply is late).
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tidelog-evaluator")
+        self._running: tuple[tuple[Any, Any], Future[dict[str, Any]]] | None = None
 
     def _resolve(self) -> Callable[[dict[str, Any], dict[str, Any] | None], Any]:
         if self._call is None:
@@ -80,6 +87,30 @@ class Evaluator:
 
     def __call__(self, candidate: dict[str, Any], incumbent: dict[str, Any] | None) -> dict[str, Any]:
         return check_reply(self._resolve()(candidate, incumbent))
+
+    async def evaluate(self, candidate: dict[str, Any], incumbent: dict[str, Any] | None,
+                       timeout: float) -> dict[str, Any]:
+        """The checked reply, from this evaluator's own thread. An evaluation still running from an
+        earlier look is waited for (its reply is for the same candidate: one job is in flight per
+        deployment) rather than started again. A reply later than ``timeout`` raises ``TimeoutError``;
+        one still running for another candidate raises ``RuntimeError`` (asked again later)."""
+        key = (candidate.get("job_id"), candidate.get("load_id"))
+        if self._running is not None and self._running[1].done():
+            self._running = None
+        if self._running is None:
+            self._running = (key, self._pool.submit(self, candidate, incumbent))
+        elif self._running[0] != key:
+            raise RuntimeError(f"the evaluation of an earlier candidate (job {str(self._running[0][0])[:12]}) is "
+                               f"still running; this one waits for its thread")
+        running = self._running[1]
+        try:
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(running)), timeout)
+        except TimeoutError:
+            raise TimeoutError(f"the evaluator did not reply within {timeout:g} s (still running; the next "
+                               f"look waits for it)") from None
+        finally:
+            if running.done():
+                self._running = None
 
 
 def check_reply(reply: Any) -> dict[str, Any]:
@@ -171,8 +202,7 @@ class CommitGate:
         """The evaluator's checked reply, in a thread, bounded by ``evaluate_timeout_s``."""
         evaluator = self.settings.evaluator
         assert evaluator is not None  # the constructor refuses 'evaluate' without one
-        return await asyncio.wait_for(asyncio.to_thread(evaluator, candidate, incumbent),
-                                      self.settings.evaluate_timeout_s)
+        return await evaluator.evaluate(candidate, incumbent, self.settings.evaluate_timeout_s)
 
     def _acknowledgement(self, row: Row, now: Any) -> dict[str, Any] | Wait:
         limit = self.settings.acknowledge_timeout_s
@@ -182,7 +212,8 @@ class CommitGate:
         waited = (now - since).total_seconds()
         if waited < limit:
             return Wait(limit - waited)
-        why = f"no acknowledgement within acknowledge_timeout_s={limit:g} (waited {waited:.0f} s)"
+        # The same words at every look: the hold is said once (a detail that changes is written again).
+        why = f"no acknowledgement within acknowledge_timeout_s={limit:g} of ready_at {since.isoformat()}"
         if self.settings.on_acknowledge_timeout == "reject":
             return {"decision": "reject", "by": "timeout", "reason": why, "metrics": {}, "at": now.isoformat()}
         return Wait(None, f"{why}; held for an operator (on_acknowledge_timeout: hold)")

@@ -60,8 +60,10 @@ KEPT = ("CHECKPOINT", "UPDATING_WEIGHTS", "READY_TO_COMMIT", "HEAD_COMMITTED", "
 INITIAL = "initial"
 
 
-#: The calls that change what a rank holds: with several ranks every rank gets them, in rank order
-#: (a data-parallel group steps, loads and declares together); rank 0's reply is the group's.
+#: The calls that change what a rank holds: with several ranks every rank gets them, sent to all
+#: before any reply is awaited (a data-parallel group steps, loads and declares together); rank 0's
+#: reply is the group's. A refusal counts as one (``JobError``: nothing stepped) only when every rank
+#: refused; any other mix of failures is the group's failure, and the step may have run somewhere.
 GROUP_CALLS = frozenset({"train", "load_checkpoint", "declare_initial"})
 
 
@@ -70,9 +72,6 @@ class TrainerRanks(Protocol):
 
     def rpc(self, rank: int, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
             timeout: float | None = None) -> Any: ...
-
-    def collective_rpc(self, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
-                       timeout: float | None = None) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -120,8 +119,7 @@ class TrainingController(BaseController):
         limit = timeout if timeout is not None else self.settings.call_timeout_s
         try:
             if self.settings.ranks > 1 and method in GROUP_CALLS:
-                replies = await asyncio.to_thread(self._executor.collective_rpc, method, args, None, limit)
-                return replies[self.settings.rank]
+                return await self._group(method, args, limit)
             return await asyncio.to_thread(self._executor.rpc, self.settings.rank, method, args, None, limit)
         except TimeoutError:
             # A trainer that does not answer a cheap call is stuck: calls would only queue behind it.
@@ -130,6 +128,37 @@ class TrainingController(BaseController):
             if method != "train" and release is not None:
                 await asyncio.to_thread(release, f"{method} did not answer within {limit:g} s")
             raise
+
+    async def _group(self, method: str, args: tuple[Any, ...], limit: float) -> Any:
+        """``method`` on every rank at once (see :data:`GROUP_CALLS`); rank 0's reply."""
+        replies = await asyncio.gather(*(asyncio.to_thread(self._executor.rpc, rank, method, args, None, limit)
+                                         for rank in range(self.settings.ranks)), return_exceptions=True)
+        failed = {rank: r for rank, r in enumerate(replies) if isinstance(r, BaseException)}
+        if not failed:
+            return replies[self.settings.rank]
+        if len(failed) == len(replies) and all(_refused_before_any_step(e) for e in failed.values()):
+            raise failed[0]
+        if len(failed) == len(replies) and all(isinstance(e, TimeoutError) for e in failed.values()):
+            raise failed[0]
+        said = "; ".join(f"rank {rank}: {type(e).__name__}: {e}" for rank, e in sorted(failed.items()))
+        raise RuntimeError(f"{method} failed on {len(failed)} of {len(replies)} ranks ({said}); "
+                           f"the others answered")
+
+    async def _health(self) -> dict[str, Any]:
+        """The trainer's health as rank 0 reports it. With several ranks every rank is asked, and ranks
+        that disagree on their step, latest job or step in doubt make the report ``in_doubt`` (so the
+        group is put back on the latest checkpoint, or started again, before anything trusts it)."""
+        if self.settings.ranks <= 1:
+            health: dict[str, Any] = await self._call("health")
+            return health
+        limit = self.settings.call_timeout_s
+        reports = await asyncio.gather(*(asyncio.to_thread(self._executor.rpc, rank, "health", (), None, limit)
+                                         for rank in range(self.settings.ranks)))
+        report: dict[str, Any] = dict(reports[self.settings.rank])
+        views = {(r.get("step"), r.get("last_job_id"), r.get("in_doubt")) for r in reports}
+        if len(views) > 1 and report.get("in_doubt") is None:
+            report["in_doubt"] = f"ranks disagree: {sorted(map(str, views))}"[:300]
+        return report
 
     # -- the machine ----------------------------------------------------------------------
 
@@ -192,18 +221,12 @@ class TrainingController(BaseController):
         Returns the trainer's health (step and latest job as they are after this).
         """
         await self._ensure_trainer()
-        health: dict[str, Any] = await self._call("health")
+        health: dict[str, Any] = await self._health()
         last, doubt = health.get("last_job_id"), health.get("in_doubt")
         if last == row.id and doubt is None:
             return health
         latest = await self._latest_step(ctx, row)
         if latest is not None:
-            if (last != latest.id or doubt is not None) and latest["checkpoint_path"] is None:
-                # A trainer that writes no checkpoint (writes_checkpoint false) and lost the live
-                # weights of the deployment's latest step: nothing can bring them back.
-                raise RuntimeError(f"the trainer does not hold job {latest.id[:12]}'s step (its latest is {last!r}) "
-                                   f"and that job has no checkpoint to load (the trainer writes none): an operator "
-                                   f"must restore the trainer's weights or abandon the deployment's lineage")
             if last != latest.id or doubt is not None:
                 log.info("training job %s: the trainer's latest step is %r (in doubt: %r); loading job %s's "
                          "checkpoint first", row.id[:12], last, doubt, latest.id[:12])
@@ -215,7 +238,7 @@ class TrainingController(BaseController):
                    f"{health.get('step')}, in doubt {doubt!r})")
             if not await self._restart_trainer(why):
                 return health
-            health = await self._call("health")
+            health = await self._health()
         return await self._declare_initial(health)
 
     async def _declare_initial(self, health: dict[str, Any]) -> dict[str, Any]:
@@ -223,14 +246,14 @@ class TrainingController(BaseController):
         record = health.get("step_record")
         if record is not None and record.get("job_id") != INITIAL:
             await self._call("declare_initial")
-            health = await self._call("health")
+            health = await self._health()
         return health
 
     async def _fresh_trainer(self, why: str) -> bool:
         """Replace the trainer by a fresh one on its initial weights, which it declares (False: cannot)."""
         if not await self._restart_trainer(why):
             return False
-        await self._declare_initial(await self._call("health"))
+        await self._declare_initial(await self._health())
         return True
 
     async def _ensure_trainer(self) -> bool:
@@ -249,12 +272,12 @@ class TrainingController(BaseController):
         return True
 
     async def _latest_step(self, ctx: Context, row: Row) -> Row | None:
-        """The deployment's newest other job whose step is kept: with its checkpoint, or without one
-        when the trainer writes none (its weights are then only the live trainer's)."""
+        """The deployment's newest other job whose step is verified and kept (its checkpoint)."""
         t = models.training_jobs
         async with ctx.journal.read() as conn:
             found = (await conn.execute(
-                sa.select(t).where(t.c.deployment == row["deployment"], t.c.id != row.id, t.c.state.in_(KEPT))
+                sa.select(t).where(t.c.deployment == row["deployment"], t.c.id != row.id,
+                                   t.c.state.in_(KEPT), t.c.checkpoint_path.is_not(None))
                 .order_by(t.c.created_at.desc()).limit(1))).first()
         return None if found is None else to_row(KIND, found._mapping)
 
@@ -282,13 +305,6 @@ class TrainingController(BaseController):
                 else:
                     await ctx.apply(self._ambiguous(row, f"train failed ({type(exc).__name__}: {exc}); the step "
                                                          f"may have run", before))
-                return Result()
-            if not _writes_checkpoint(health):
-                # The seed's writes_checkpoint false: no save, no verify; the job's weights are the
-                # live trainer's, published under the same gate.
-                await ctx.apply(Transition(KIND, row.id, "RUNNING", row.version, "CHECKPOINT",
-                                           "trained; the trainer writes no checkpoint (its live weights are published)",
-                                           {"checkpoint_path": None, "metrics": metrics, "detail": None, **before}))
                 return Result()
             path = self.checkpoint_path(row.id)
             try:
@@ -337,22 +353,15 @@ class TrainingController(BaseController):
             if info is not None and info.get("job_id") == row.id:
                 await ctx.apply(Transition(KIND, row.id, "AMBIGUOUS", row.version, "CHECKPOINT",
                                            f"settled: checkpoint {path} verifies and carries the job",
-                                           {"checkpoint_path": path, "ambiguity": None,
+                                           {"checkpoint_path": path, "ambiguity": None, "detail": None,
                                             "metrics": _settled(info, "verified checkpoint")}))
                 return Result()
             try:
-                health: dict[str, Any] = await self._call("health")
+                health: dict[str, Any] = await self._health()
             except Exception as exc:  # noqa: BLE001 - an unreachable trainer proves nothing
                 log.warning("training job %s: the trainer did not answer (%s); looking again later", row.id, exc)
                 return await self._still_ambiguous(ctx, row, f"the trainer's health did not answer "
                                                              f"({type(exc).__name__}: {exc}); looking again later")
-            if health.get("last_job_id") == row.id and health.get("in_doubt") is None and not _writes_checkpoint(health):
-                await ctx.apply(Transition(KIND, row.id, "AMBIGUOUS", row.version, "CHECKPOINT",
-                                           f"settled: the trainer's latest step {health.get('step')} is this job (it "
-                                           f"writes no checkpoint: its live weights are published)",
-                                           {"checkpoint_path": None, "ambiguity": None,
-                                            "metrics": {"settled_from": "live trainer", "step": health.get("step")}}))
-                return Result()
             if health.get("last_job_id") == row.id and health.get("in_doubt") is None:
                 # The live trainer's latest step is this job: make the evidence durable now.
                 try:
@@ -364,7 +373,7 @@ class TrainingController(BaseController):
                 await ctx.apply(Transition(KIND, row.id, "AMBIGUOUS", row.version, "CHECKPOINT",
                                            f"settled: the trainer's latest step {info['step']} is this job; "
                                            f"checkpoint saved and verified",
-                                           {"checkpoint_path": path, "ambiguity": None,
+                                           {"checkpoint_path": path, "ambiguity": None, "detail": None,
                                             "metrics": _settled(info, "live trainer")}))
                 return Result()
             record = health.get("step_record")
@@ -395,12 +404,6 @@ class TrainingController(BaseController):
             await ctx.apply(Transition(KIND, row.id, "AMBIGUOUS", row.version, "AMBIGUOUS",
                                        "still ambiguous: " + why[:180], {"ambiguity": why}))
         return Result(requeue_after=self.settings.retry_after_s)
-
-
-def _writes_checkpoint(health: Mapping[str, Any]) -> bool:
-    """Whether the trainer saves a checkpoint per step: its health's ``writes_checkpoint`` (the
-    trainer contract; true when absent)."""
-    return health.get("writes_checkpoint", True) is not False
 
 
 def _settled(info: Mapping[str, Any], source: str) -> dict[str, Any]:

@@ -122,7 +122,7 @@ async def resolve_job(tx: WriteTx, job_id: str, decision: str, *, reason: str,
     said = f"resolved by an operator ({decision}): {reason}"[:200]
     if decision == "ran":
         await tx.transition(KIND, job_id, from_state="AMBIGUOUS", version=row.version, to_state="CHECKPOINT",
-                            reason=said, changes={"checkpoint_path": checkpoint_path, "ambiguity": None,
+                            reason=said, changes={"checkpoint_path": checkpoint_path, "ambiguity": None, "detail": None,
                                                   "metrics": {"settled_from": "operator", "reason": reason,
                                                               "step": verified_step}})
     elif decision == "not_run":

@@ -159,7 +159,8 @@ class Publisher:
 
     async def _start(self, ctx: Context, row: Row) -> Result:
         if row["detail"] is not None:
-            # The last pause failed (its commit woke us at once): wait out the retry delay.
+            # The last pause failed (its commit woke us at once): wait out the retry delay. (Every
+            # other move into CHECKPOINT clears detail, so only a failed pause leaves one here.)
             wait = self.settings.retry_after_s - (ctx.clock.now() - row["updated_at"]).total_seconds()
             if wait > 0:
                 return Result(requeue_after=wait)
@@ -222,11 +223,6 @@ class Publisher:
                 await self._ensure_trainer()
             health = await self._trainer("health")
             if health.get("last_job_id") != row.id or health.get("in_doubt") is not None:
-                if row["checkpoint_path"] is None:
-                    # writes_checkpoint false: the job's weights lived only in the trainer that is gone.
-                    raise RuntimeError(f"the trainer no longer holds this job's step (its latest is "
-                                       f"{health.get('last_job_id')!r}) and the job has no checkpoint: its weights "
-                                       f"cannot be published; an operator must reject it")
                 await self._trainer("load_checkpoint", row["checkpoint_path"])
             await self._trainer("prepare_weights", {"version": target, "directory": path})
             await self._each(lambda e: e.update_weights_from_disk(path, target))

@@ -78,12 +78,6 @@ class TrainerHost:
                 raise TrainerUnavailable(f"no live trainer ({why}); {method} was not sent")
         return ex
 
-    def collective_rpc(self, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
-                       timeout: float | None = None) -> list[Any]:
-        """``method`` on every rank of the current executor, replies in rank order (as :meth:`rpc`)."""
-        ex = self._live(method)
-        return list(ex.collective_rpc(method, args, kwargs, timeout))
-
     def release(self, why: str = "released") -> None:
         """Stop the current trainer; the next sync point starts a new generation.
 

@@ -64,10 +64,3 @@ def test_the_command_exits_by_its_verdict_and_names_the_promise() -> None:
     not_json = kit("tests.support.own_trainer:SgdTrainer", "--kwargs", "[1]")
     assert not_json.returncode == 2 and "JSON object" in not_json.stderr
 
-
-def test_a_trainer_that_writes_no_checkpoint_has_its_checkpoint_promises_skipped(tmp_path: Path) -> None:
-    report = assert_conforms("tests.support.own_trainer:NoCheckpointTrainer", {}, tmp_path)
-    skipped = [c.promise for c in report.checks if c.outcome == "skipped"]
-    assert skipped == ["checkpoint_names_job_and_step", "checkpoint_refuses_other_job", "truncated_checkpoint_fails",
-                       "load_continues"]
-    assert all(c.outcome == "passed" for c in report.checks if c.promise not in skipped)

@@ -170,6 +170,7 @@ async def test_hold_keeps_waiting_past_the_timeout_and_says_so_once(make_rig: An
     assert await rig.look(row["id"]) is None
     held = await rig.row(row["id"])
     assert held["state"] == "READY_TO_COMMIT" and "held for an operator" in held["detail"]
+    await rig.clock.advance(3600)  # later looks say nothing new: no other event is written
     assert await rig.look(row["id"]) is None and (await rig.row(row["id"]))["version"] == held["version"]
     assert await rig.paused() == [True, True]
     await rig.operator(acknowledge_job, row["id"], "late but fine")
@@ -210,6 +211,21 @@ async def test_a_failed_evaluation_is_said_and_asked_again(make_rig: Any, tmp_pa
     # The incumbent is the weights the engines started with: no job, no checkpoint, their directory.
     assert len(seen) == 2 and seen[1]["incumbent"]["job_id"] is None
     assert seen[1]["incumbent"]["checkpoint_path"] is None and seen[1]["incumbent"]["weights_path"]
+
+
+async def test_a_late_evaluation_is_waited_for_on_its_own_thread_not_asked_twice(make_rig: Any,
+                                                                                  tmp_path: Path) -> None:
+    log = tmp_path / "eval.jsonl"
+    evaluator = Evaluator("tests.support.evaluators:slow", {"seconds": 1.0, "log": str(log)})
+    rig = make_rig(CommitGateSettings(mode="evaluate", evaluator=evaluator, evaluate_timeout_s=0.1))
+    row = await rig.ready(1)
+    await rig.look(row["id"])
+    late = await rig.row(row["id"])
+    assert late["state"] == "READY_TO_COMMIT" and "did not reply within 0.1 s" in late["detail"]
+    # Looks while it still runs wait for the same evaluation; once it replies, its verdict is taken.
+    done = await rig.drive(row["id"], "COMPLETE", steps=200)
+    assert done["verdict"]["by"] == "evaluator" and done["verdict"]["reason"] == "slow but sure"
+    assert len(log.read_text().splitlines()) == 1  # asked once
 
 
 async def test_a_malformed_evaluator_reply_is_said_by_name(make_rig: Any) -> None:
