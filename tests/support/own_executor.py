@@ -8,8 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 from typing import Any
 
-from workers.executor import ExecutorFuture, SubmittingExecutor
-from workers.executor._spec import ExecutorConfigError, ExecutorLaunchError
+from workers.executor import ExecutorConfigError, ExecutorFuture, ExecutorLaunchError, SubmittingExecutor
 
 #: (label, ranks) of every executor launched in this process.
 LAUNCHES: list[tuple[str, int]] = []

@@ -29,6 +29,7 @@ from workers.executor._spec import (
     ExecutorLaunchError,
     SpawnPickleError,
     WorkerSpec,
+    import_object,
 )
 from workers.executor._uni import UniExecutor
 
@@ -51,6 +52,7 @@ __all__ = [
     "SubmittingExecutor",
     "UniExecutor",
     "WorkerSpec",
+    "import_object",
     "create_executor",
     "local_cuda_masks",
     "resolve",

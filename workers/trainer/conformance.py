@@ -32,8 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workers.executor import WorkerSpec
-from workers.executor._spec import import_object
+from workers.executor import WorkerSpec, import_object
 from workers.policy import VOCAB, encode
 from workers.trainer.contract import METHODS
 from workers.trainer.errors import JobError

@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -38,7 +38,7 @@ from typing import Any, Literal
 import orjson
 
 from journal.writes import Row
-from workers.executor._spec import import_object
+from workers.executor import import_object
 
 from engine.runtime.reconciler import Context
 
@@ -179,9 +179,12 @@ class CommitGate:
             raise ValueError("commit mode 'evaluate' needs an evaluator")
         self.settings = settings
 
-    async def decide(self, ctx: Context, row: Row, candidate: dict[str, Any],
-                     incumbent: dict[str, Any] | None) -> dict[str, Any] | Wait:
-        """The verdict on ``row`` (with ``by`` and ``at``), or how long to wait for one."""
+    async def decide(self, ctx: Context, row: Row,
+                     describe: Callable[[], Awaitable[tuple[dict[str, Any], dict[str, Any] | None]]]
+                     ) -> dict[str, Any] | Wait:
+        """The verdict on ``row`` (with ``by`` and ``at``), or how long to wait for one. ``describe``
+        gives the candidate and the incumbent as an evaluator is told them; it is awaited only when an
+        evaluator is asked (its reads are not paid by the other modes)."""
         recorded = row["verdict"]
         if recorded is not None:
             return dict(recorded)  # an operator's acknowledgement, recorded earlier
@@ -192,7 +195,7 @@ class CommitGate:
         if mode == "acknowledge":
             return self._acknowledgement(row, now)
         try:
-            reply = await self.evaluate(candidate, incumbent)
+            reply = await self.evaluate(*await describe())
         except Exception as exc:  # noqa: BLE001 - said in detail, asked again later
             return Wait(self.settings.retry_after_s,
                         f"the evaluator failed ({type(exc).__name__}: {exc}); asking it again")

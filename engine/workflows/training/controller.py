@@ -131,8 +131,7 @@ class TrainingController(BaseController):
 
     async def _group(self, method: str, args: tuple[Any, ...], limit: float) -> Any:
         """``method`` on every rank at once (see :data:`GROUP_CALLS`); rank 0's reply."""
-        replies = await asyncio.gather(*(asyncio.to_thread(self._executor.rpc, rank, method, args, None, limit)
-                                         for rank in range(self.settings.ranks)), return_exceptions=True)
+        replies = await self._every_rank(method, args, limit)
         failed = {rank: r for rank, r in enumerate(replies) if isinstance(r, BaseException)}
         if not failed:
             return replies[self.settings.rank]
@@ -144,6 +143,11 @@ class TrainingController(BaseController):
         raise RuntimeError(f"{method} failed on {len(failed)} of {len(replies)} ranks ({said}); "
                            f"the others answered")
 
+    async def _every_rank(self, method: str, args: tuple[Any, ...], limit: float) -> list[Any]:
+        """``method`` sent to every rank before any reply is awaited: replies (or exceptions) in rank order."""
+        return await asyncio.gather(*(asyncio.to_thread(self._executor.rpc, rank, method, args, None, limit)
+                                      for rank in range(self.settings.ranks)), return_exceptions=True)
+
     async def _health(self) -> dict[str, Any]:
         """The trainer's health as rank 0 reports it. With several ranks every rank is asked, and ranks
         that disagree on their step, latest job or step in doubt make the report ``in_doubt`` (so the
@@ -151,9 +155,10 @@ class TrainingController(BaseController):
         if self.settings.ranks <= 1:
             health: dict[str, Any] = await self._call("health")
             return health
-        limit = self.settings.call_timeout_s
-        reports = await asyncio.gather(*(asyncio.to_thread(self._executor.rpc, rank, "health", (), None, limit)
-                                         for rank in range(self.settings.ranks)))
+        reports = await self._every_rank("health", (), self.settings.call_timeout_s)
+        failed = [r for r in reports if isinstance(r, BaseException)]
+        if failed:
+            raise failed[0]
         report: dict[str, Any] = dict(reports[self.settings.rank])
         views = {(r.get("step"), r.get("last_job_id"), r.get("in_doubt")) for r in reports}
         if len(views) > 1 and report.get("in_doubt") is None:

@@ -251,10 +251,12 @@ class Publisher:
 
     async def _commit(self, ctx: Context, row: Row) -> Result:
         target: str = row["runtime_load_id"]
-        head = await self.head(ctx)
-        incumbent_job = await ctx.get(KIND, head["job_id"]) if head is not None and head["job_id"] else None
-        verdict = await self.gate.decide(ctx, row, candidate_info(row, self.weights_path(target)),
-                                         incumbent_info(head, incumbent_job))
+
+        async def describe() -> tuple[dict[str, Any], dict[str, Any] | None]:
+            head = await self.head(ctx)
+            job = await ctx.get(KIND, head["job_id"]) if head is not None and head["job_id"] else None
+            return candidate_info(row, self.weights_path(target)), incumbent_info(head, job)
+        verdict = await self.gate.decide(ctx, row, describe)
         if isinstance(verdict, Wait):
             if verdict.say is not None and row["detail"] != verdict.say:
                 await ctx.apply(Transition(KIND, row.id, "READY_TO_COMMIT", row.version, "READY_TO_COMMIT",

@@ -68,15 +68,12 @@ class TrainerHost:
 
     def rpc(self, rank: int, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
             timeout: float | None = None) -> Any:
-        return self._live(method).rpc(rank, method, args, kwargs, timeout)
-
-    def _live(self, method: str) -> Executor:
         with self._lock:
             ex = self._executor
             if self._closed or ex is None or ex.failure is not None:
                 why = "shut down" if self._closed else "not started" if ex is None else str(ex.failure)
                 raise TrainerUnavailable(f"no live trainer ({why}); {method} was not sent")
-        return ex
+        return ex.rpc(rank, method, args, kwargs, timeout)
 
     def release(self, why: str = "released") -> None:
         """Stop the current trainer; the next sync point starts a new generation.
