@@ -40,7 +40,8 @@ a deployment's first publication also registers the engines' initial weights) is
     .venv/bin/python bench/training_loop.py --quick         # SQLite only, 5 steps and 3 publications, ~10 s
     .venv/bin/python bench/training_loop.py --backends postgresql --steps 50
 
-The run ends with one JSON line holding every figure.
+The run ends with one JSON line holding every figure. The whole loop (rollouts per second through
+dispatch, batch, job and publication) is ``bench/rl_loop.py``.
 """
 
 from __future__ import annotations

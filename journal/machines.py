@@ -183,7 +183,8 @@ ROLLOUTS = StateMachine.build(
         "retiring": ["retiring", "retired", "pending"],
         # -> pending: run again as the next attempt; -> failed: the retry limit was reached.
         "retired": ["dispatched", "pending", "failed", "forgotten"],
-        "finished": ["forgotten"],
+        # Self-edge on finished: a training batch took it (``batch_id``), as a member or excluded.
+        "finished": ["finished", "forgotten"],
         "failed": ["forgotten"],
     },
     terminal=["forgotten"],
@@ -246,6 +247,20 @@ TRAINING_JOBS = StateMachine.build(
     terminal=["COMPLETE", "REJECTED", "FAILED"],
 )
 
+TRAINING_BATCHES = StateMachine.build(
+    "training_batches",
+    # open: collecting (one per deployment); finished rollouts wait unbatched until it is submitted.
+    initial=["open"],
+    edges={
+        # Self-edge: finished rollouts were excluded (recorded with why); -> submitted: the members
+        # are recorded and the job created in the same write.
+        "open": ["open", "submitted"],
+        # The job's end: COMPLETE, REJECTED, FAILED.
+        "submitted": ["trained", "rejected", "failed"],
+    },
+    terminal=["trained", "rejected", "failed"],
+)
+
 ENGINES = StateMachine.build(
     "engines",
     # registered: configured, not yet probed.
@@ -264,6 +279,28 @@ ENGINES = StateMachine.build(
         # the row said before); left only once the gate has looked at the engine under this leader.
         "unverified": ["serving", "paused", "uncertain", "unreachable", "retired"],
         "retired": ["registered"],
+    },
+)
+
+SERVICES = StateMachine.build(
+    "services",
+    # pending: declared by the configuration, not launched (yet, or again).
+    initial=["pending"],
+    edges={
+        # -> stopped: never launched (the stack failed, or was brought down, before its turn);
+        # -> failed: its command could not be started.
+        "pending": ["starting", "failed", "stopped"],
+        # starting: its process runs and its readiness deadline counts from the launch.
+        "starting": ["ready", "failed", "stopping"],
+        "ready": ["failed", "stopping"],
+        # failed: its process is gone (an exit, a readiness that never came, an owner lost); ->
+        # restarting: managed recovery rebuilds it; -> pending: brought up again; -> stopped: brought down.
+        "failed": ["restarting", "pending", "stopped"],
+        "restarting": ["starting", "failed", "stopped"],
+        # stopping -> failed: its process group could not be confirmed gone.
+        "stopping": ["stopped", "failed"],
+        # Self-edge: no longer declared (``desired = 'removed'``: it no longer holds the deployment).
+        "stopped": ["pending", "stopped"],
     },
 )
 

@@ -178,6 +178,9 @@ checkpoint_members = sa.Table(
 #: Rollout states in which some attempt may still run or is about to (see journal.machines.ROLLOUTS).
 ROLLOUTS_LIVE = "state IN ('pending', 'dispatched', 'restart', 'retiring', 'ambiguous', 'errored')"
 
+#: Finished rollouts that no training batch has taken yet (see ``training_batches``).
+ROLLOUTS_UNBATCHED = "state = 'finished' AND batch_id IS NULL"
+
 rollouts = sa.Table(
     "rollouts",
     metadata,
@@ -203,6 +206,9 @@ rollouts = sa.Table(
     sa.Column("restored_on", sa.String(255), nullable=True),
     sa.Column("dispatched_at", UTCDateTime(), nullable=True),
     sa.Column("ended_at", UTCDateTime(), nullable=True),
+    # The training batch (``training_batches.id``) that took this finished rollout, as a member or as
+    # excluded (the batch's ``excluded`` says why); null until one did, or without batching.
+    sa.Column("batch_id", sa.String(255), nullable=True),
     sa.Index("ix_rollouts_live", "state",
              sqlite_where=sa.text(ROLLOUTS_LIVE), postgresql_where=sa.text(ROLLOUTS_LIVE)),
     sa.Index("ix_rollouts_pending", "created_at", "id",
@@ -210,6 +216,9 @@ rollouts = sa.Table(
     sa.Index("ix_rollouts_done", "updated_at", "id",
              sqlite_where=sa.text("state IN ('finished', 'failed')"),
              postgresql_where=sa.text("state IN ('finished', 'failed')")),
+    # The batcher's scan: finished rollouts no batch has taken yet, oldest first.
+    sa.Index("ix_rollouts_unbatched", "ended_at", "id",
+             sqlite_where=sa.text(ROLLOUTS_UNBATCHED), postgresql_where=sa.text(ROLLOUTS_UNBATCHED)),
 )
 
 restores = sa.Table(
@@ -277,6 +286,62 @@ training_jobs = sa.Table(
     # The database refuses a second job in flight for a deployment, whoever writes it.
     sa.Index("ux_training_jobs_in_flight", "deployment", unique=True,
              sqlite_where=sa.text(_IN_FLIGHT_SQL), postgresql_where=sa.text(_IN_FLIGHT_SQL)),
+)
+
+training_batches = sa.Table(
+    "training_batches",
+    metadata,
+    # id: "<deployment>.b<number>" (engine.workflows.training.batching.batch_id).
+    *entity_columns(),
+    sa.Column("deployment", sa.String(255), nullable=False),
+    # Counts the deployment's batches from 0; the job's scenario_step and batch_number.
+    sa.Column("number", sa.Integer, nullable=False),
+    # The member rollouts, in the order of the job's samples (set when the batch is submitted).
+    sa.Column("rollout_ids", JSONValue(), nullable=True),
+    # Finished rollouts this batch took without training them: {rollout id: why}.
+    sa.Column("excluded", JSONValue(), nullable=True),
+    # The committed head when the batch was submitted: the job's base_version.
+    sa.Column("base_version", sa.String(255), nullable=True),
+    # The training job submitted in the same write as the batch.
+    sa.Column("job_id", sa.String(255), nullable=True),
+    sa.Column("submitted_at", UTCDateTime(), nullable=True),
+    sa.Column("detail", sa.Text, nullable=True),
+    sa.Index("ux_training_batches_number", "deployment", "number", unique=True),
+    # One batch collecting per deployment, whoever writes it.
+    sa.Index("ux_training_batches_open", "deployment", unique=True,
+             sqlite_where=sa.text("state = 'open'"), postgresql_where=sa.text("state = 'open'")),
+)
+
+services = sa.Table(
+    "services",
+    metadata,
+    # id: the service's name in the stack (``deployment.services``).
+    *entity_columns(),
+    # uni (a local process group) or ray (a process placed on a Ray node through an actor).
+    sa.Column("executor", sa.String(32), nullable=False, default="uni"),
+    # The argument vector as launched (endpoints substituted). Environment values are never stored.
+    sa.Column("command", JSONValue(), nullable=True),
+    sa.Column("depends_on", JSONValue(), nullable=True),
+    # 'up' or 'down': what the operator last asked for (``tidelog up`` / ``tidelog down``).
+    sa.Column("desired", sa.String(16), nullable=False, default="up"),
+    # The orchestrator (lease holder id) whose processes these are; they die with it.
+    sa.Column("owner", sa.String(255), nullable=True),
+    sa.Column("host", sa.String(255), nullable=True),
+    # {"guard": pid, "service": pid}: the process group's leader is "service".
+    sa.Column("pids", JSONValue(), nullable=True),
+    # The published endpoint (``${endpoints.NAME}``), once launched.
+    sa.Column("endpoint", sa.Text, nullable=True),
+    sa.Column("exit_code", sa.Integer, nullable=True),
+    sa.Column("restarts", sa.Integer, nullable=False, default=0, server_default="0"),
+    sa.Column("log_path", sa.Text, nullable=True),
+    sa.Column("started_at", UTCDateTime(), nullable=True),
+    sa.Column("ready_at", UTCDateTime(), nullable=True),
+    sa.Column("stopped_at", UTCDateTime(), nullable=True),
+    sa.Column("detail", sa.Text, nullable=True),
+    # The ``engines`` row (``<deployment>/<name>``) this service runs, if it is an inference engine:
+    # each launch makes that row unverified, and the deployment is not ready until the gate put the
+    # engine on the committed head.
+    sa.Column("engine", sa.String(255), nullable=True),
 )
 
 engines = sa.Table(

@@ -100,6 +100,8 @@ def builtin_kinds() -> KindRegistry:
                            (models.rollouts, machines.ROLLOUTS), (models.restores, machines.RESTORES),
                            (models.retirements, machines.RETIREMENTS),
                            (models.training_jobs, machines.TRAINING_JOBS), (models.engines, machines.ENGINES),
-                           (models.weight_versions, machines.WEIGHT_VERSIONS)):
+                           (models.weight_versions, machines.WEIGHT_VERSIONS),
+                           (models.training_batches, machines.TRAINING_BATCHES),
+                           (models.services, machines.SERVICES)):
         reg.register(EntityKind(machine.kind, table, machine))
     return reg

@@ -7,7 +7,9 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel
 
+import engine.workflows  # noqa: F401 - registers the built-in families (their sections)
 from engine.config import Settings, load
+from engine.runtime import workflow
 from journal import builtin_kinds
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -15,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_the_docs_show_every_builtin_machine() -> None:
     text = "".join((ROOT / "docs" / name).read_text() for name in ("architecture.md", "checkpointing.md",
-                                                                              "rollouts.md", "training.md"))
+                                                                              "rollouts.md", "training.md",
+                                                                              "deployment.md"))
     for kind in builtin_kinds():
         assert f"```mermaid\n{kind.machine.mermaid()}\n```" in text, f"diagram of {kind.name} is out of date"
 
@@ -47,7 +50,10 @@ def test_example_config_is_valid_and_documents_every_key() -> None:
     settings = load(path)
     assert settings == Settings()  # the example shows the defaults
     documented = _flatten(yaml.safe_load(path.read_text()))
-    assert _keys(Settings) == documented
+    # A registered family's own section (``deployment``) is a key of the file too.
+    sections = {k for w in workflow.registered() if w.settings is not None and not w.builtin_section
+                for k in {w.section_key or w.name} | _keys(w.settings, f"{w.section_key or w.name}.")}
+    assert _keys(Settings) | sections == documented
 
 
 def test_readme_gives_the_two_commands() -> None:
@@ -148,5 +154,5 @@ def test_the_architecture_tree_names_every_engine_package_and_family() -> None:
     assert not missing, f"docs/architecture.md's tree lacks {missing}"
     # Every built-in family has its registration module, and the recipe's section names it.
     families = sorted(p.parent.name for p in (engine / "workflows").glob("*/workflow.py"))
-    assert families == ["checkpoint", "discovery", "training"], families
+    assert families == ["checkpoint", "deployment", "discovery", "training"], families
     assert "`workflow.py`" in text[text.index("## 7. Adding a workflow"):]

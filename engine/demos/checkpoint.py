@@ -208,7 +208,8 @@ async def run(args: argparse.Namespace) -> int:
         "journal": {"url": journal_url},
         "api": {"port": api_port},
         "orchestrator": {"lease_ttl_s": 5, "lease_renew_s": 1},
-        "discovery": {"probe_timeout_s": 2, "interval_s": 5},
+        # Reprobed every 5 s at most (not on the doubling backoff) should a probe time out under load.
+        "discovery": {"probe_timeout_s": 5, "interval_s": 5, "max_backoff_s": 5},
         "checkpoint": {"directory": str(workdir / "checkpoints"), "prepare_timeout_s": 20},
         "participants": [{"name": f"{kind}-0", "url": fleet.url(kind)} for kind in KINDS],
         "logging": {"level": "WARNING", "format": "text"},

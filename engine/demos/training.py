@@ -3,32 +3,33 @@
     tidelog demo-train [--rounds 10] [--episodes 8] [--turns 3] [--workdir DIR]
 
 Real processes on loopback: ``tidelog serve`` over a SQLite journal (or ``--journal-url``) with
-``training`` enabled (an ``mp`` trainer: ``workers.trainer.worker.Trainer``, seed 0), one
-reference inference engine (``python -m workers.inference.reference``) started from the same
-seed-0 weights (saved as the deployment's ``initial_weights``), and the four reference
-participants — the model generating each action on the engine (``--engine``: 6 tokens sampled at
-temperature 1 with a seed from the conversation's digest), the resources server checking each
-action against a rule a policy can learn (``--task letter:s``: the action holds an ``s``). Each
-round:
+``training`` enabled (an ``mp`` trainer: ``workers.trainer.worker.Trainer``, seed 0) and
+``training.batching`` (batches of ``--episodes`` rollouts, ``max_staleness`` 0, the reference task's
+sample ``workers.reference.samples:episode``), one reference inference engine
+(``python -m workers.inference.reference``) started from the same seed-0 weights (the deployment's
+``initial_weights``, registered as its committed head at start), and the four reference participants
+— the model generating each action on the engine (``--engine``: 6 tokens sampled at temperature 1
+with a seed from the conversation's digest), the resources server checking each action against a
+rule a policy can learn (``--task letter:s``: the action holds an ``s``). Each round:
 
 1. ``--episodes`` episodes of ``--turns`` turns are submitted as rollouts (``POST /v1/rollouts``)
    and the orchestrator runs them on the environment; the verifier's reward of an episode is the
-   fraction of its actions that passed;
-2. the round's batch — per episode its prompt, its actions as token ids (the completion the
-   policy produced) and its reward, with ``scenario_step`` = the round — is submitted through
-   the API (``POST /v1/jobs``);
+   fraction of its actions that passed; each rollout row records the version it ran on;
+2. the orchestrator groups the finished rollouts into a batch (``GET /v1/batches/{id}``) and submits
+   it as a training job in the same write — the demo submits no job itself;
 3. the orchestrator trains it (one REINFORCE step), checkpoints it, and publishes the weights to
    the engine behind the commit gate; the demo waits for ``COMPLETE`` and checks that the
    engine serves the job's ``runtime_load_id`` — the next round's actions are generated on it.
 
 Mid-way it SIGKILLs the orchestrator twice (``TIDELOG_CRASH_AT``: right after a job's
 ``RUNNING->CHECKPOINT`` commit, and right after another's ``UPDATING_WEIGHTS->READY_TO_COMMIT``
-commit, engines paused on the candidate) and the trainer process once (right after a job is
-submitted); after each it submits the round's batch again (the same job: ``resume``, ``replay`` or
-``in_progress``, never trained twice). It ends with a report and exits 0 only if the mean reward
-of the last rounds beats the first rounds', every job is ``COMPLETE`` with trainer steps 1..N,
-the trainer's persisted step counter (``step.json``) is N, every round generated on the version
-the previous job published, every crash happened, and ``tidelog verify`` is clean.
+commit, engines paused on the candidate) and the trainer process once (right after a batch's job
+is submitted); after each the next orchestrator (or trainer) finishes the same job, never training
+it twice. It ends with a report and exits 0 only if the mean reward of the last rounds beats the
+first rounds', every round's rollouts made up exactly one batch, every job is ``COMPLETE`` with
+trainer steps 1..N, the trainer's persisted step counter (``step.json``) is N, every round generated
+on (and its rollout rows record) the version the previous job published, every crash happened, and
+``tidelog verify`` is clean.
 """
 
 from __future__ import annotations
@@ -134,23 +135,35 @@ class JobsApi:
         except aiohttp.ClientError:
             return None  # between two orchestrators
 
-    async def submit(self, payload: dict[str, Any], timeout: float = 60.0) -> tuple[str, str]:
-        """``POST /v1/jobs``, again while no leader answers; the job id and the disposition."""
+    async def batch_of(self, rollout_ids: list[str], serve: subprocess.Popen[bytes],
+                       timeout: float = 90.0) -> dict[str, Any] | None:
+        """The batch that took ``rollout_ids`` (each rollout's ``batch_id``), once it is submitted;
+        ``None`` if the orchestrator died first."""
         end = time.monotonic() + timeout
-        while True:
-            try:
-                async with self.http.post(self.base + "/v1/jobs", json={"payload": payload},
-                                          headers=self.auth) as resp:
-                    reply = await resp.json(content_type=None)
-                    if resp.status in (200, 201):
-                        return str(reply["job"]["id"]), str(reply["disposition"])
-                    if resp.status != 503:
-                        raise RuntimeError(f"POST /v1/jobs: HTTP {resp.status} {reply}")
-            except aiohttp.ClientError:
-                pass
-            if time.monotonic() > end:
-                raise TimeoutError(f"POST /v1/jobs: no leader took the job within {timeout:.0f} s")
-            await asyncio.sleep(0.1)
+        while time.monotonic() < end:
+            if serve.poll() is not None:
+                return None
+            rows = [await self.get(f"/v1/rollouts/{rid}") for rid in rollout_ids]
+            held = {None if r is None else r.get("batch_id") for r in rows}
+            if len(held) == 1 and None not in held:
+                batch = await self.get(f"/v1/batches/{held.pop()}")
+                if batch is not None and batch["state"] != "open":
+                    return dict(batch)
+            await asyncio.sleep(0.05)
+        raise TimeoutError(f"no submitted batch took the rollouts {rollout_ids} within {timeout:.0f} s")
+
+    async def head(self, timeout: float = 60.0) -> str:
+        """The deployment's committed head once the engine serves it (the gate put it there)."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            versions = await self.get("/v1/publications?state=committed&limit=1") or {"publications": []}
+            engines = await self.get("/v1/engines") or {"engines": []}
+            if versions["publications"] and engines["engines"] and all(
+                    e["state"] == "serving" and e["serving_version"] == versions["publications"][0]["id"]
+                    for e in engines["engines"]):
+                return str(versions["publications"][0]["id"])
+            await asyncio.sleep(0.05)
+        raise TimeoutError(f"the engine did not serve the committed head within {timeout:.0f} s")
 
     async def rollouts(self, tasks: dict[str, dict[str, Any]], timeout: float = 90.0) -> dict[str, dict[str, Any]]:
         """Submit ``tasks`` as rollouts (``POST /v1/rollouts``, again while no leader answers) and wait
@@ -179,9 +192,21 @@ class JobsApi:
                 elif row is not None and row["state"] == "failed":
                     raise RuntimeError(f"rollout {rid} failed: {row.get('detail')}")
             if time.monotonic() > end:
-                raise TimeoutError(f"rollouts not finished within {timeout:.0f} s: {sorted(set(tasks) - set(results))}")
+                raise TimeoutError(f"rollouts not finished within {timeout:.0f} s: {await self.stuck(set(tasks) - set(results))}")
             await asyncio.sleep(0.05)
         return results
+
+    async def stuck(self, ids: set[str]) -> str:
+        """What the journal says of rollouts that did not finish, and of the participants (for the
+        error that ends the demo)."""
+        said = []
+        for rid in sorted(ids):
+            row = await self.get(f"/v1/rollouts/{rid}") or {}
+            said.append(f"{rid}: {row.get('state')} attempt {row.get('attempt')} on {row.get('environment')} "
+                        f"({row.get('detail')})")
+        parts = (await self.get("/v1/participants") or {}).get("participants", [])
+        said.append("participants: " + ", ".join(f"{p['name']} {p['health']}" for p in parts))
+        return "; ".join(said)
 
     async def until_complete_or_dead(self, job_id: str, serve: subprocess.Popen[bytes],
                                      timeout: float = 90.0) -> dict[str, Any] | None:
@@ -210,7 +235,7 @@ def short(version: str) -> str:
 
 
 async def run(args: argparse.Namespace) -> int:
-    from workers.policy import Policy, encode, save_weights  # torch: only this command needs it
+    from workers.policy import Policy, save_weights  # torch: only this command needs it
 
     workdir: Path = args.workdir.resolve()
     if workdir.exists():
@@ -229,7 +254,10 @@ async def run(args: argparse.Namespace) -> int:
         "api": {"port": api_port},
         "orchestrator": {"lease_ttl_s": 2, "lease_renew_s": 0.5, "shutdown_grace_s": 2},
         "reconciler": {"resync_interval_s": 1},
-        "discovery": {"probe_timeout_s": 2, "interval_s": 5},
+        # A probe that times out under load marks a participant unreachable, and no rollout is
+        # dispatched to it until a probe answers: reprobed every 5 s at most, not on the default
+        # doubling backoff (up to 10 minutes), which would outlast the demo's deadlines.
+        "discovery": {"probe_timeout_s": 5, "interval_s": 5, "max_backoff_s": 5},
         "checkpoint": {"directory": str(workdir / "checkpoints")},
         "participants": [{"name": f"{kind}-0", "url": fleet.url(kind)} for kind in KINDS],
         "training": {"enabled": True, "executor": "mp", "deployment": DEPLOYMENT,
@@ -237,6 +265,8 @@ async def run(args: argparse.Namespace) -> int:
                      "checkpoint_dir": str(workdir / "training" / "checkpoints"),
                      "weights_dir": str(workdir / "training" / "weights"), "initial_weights": str(initial),
                      "retry_after_s": 0.3, "publish_retry_after_s": 0.3,
+                     "batching": {"enabled": True, "size": args.episodes, "max_staleness": 0,
+                                  "sample": "workers.reference.samples:episode"},
                      "engines": [{"name": "engine-0", "url": fleet.url("engine")}]},
         "logging": {"level": "WARNING", "format": "text"},
     }))
@@ -277,12 +307,12 @@ async def run(args: argparse.Namespace) -> int:
                 async with http.get(f"{fleet.url('model')}/ng-control/v1/checkpoint/status", headers=auth) as resp:
                     return dict((await resp.json()).get("generated_on", {}))
 
-            async def episodes(r: int) -> list[dict[str, Any]]:
+            async def episodes(r: int) -> tuple[list[str], list[dict[str, Any]]]:
                 """The round's episodes, submitted as rollouts: the orchestrator dispatches them."""
                 tasks = {f"round-{r}-ep-{k}": {"prompt": f"round {r} task {k}", "turns": args.turns}
                          for k in range(args.episodes)}
                 done = await api.rollouts(tasks)
-                return [{**done[rid], "prompt": task["prompt"]} for rid, task in tasks.items()]
+                return list(tasks), [done[rid] for rid in tasks]
 
             async def restart(after: str, crash_at: str | None) -> subprocess.Popen[bytes]:
                 code = serve.wait()
@@ -294,35 +324,34 @@ async def run(args: argparse.Namespace) -> int:
                       f"starting another", flush=True)
                 return fleet.start_serve(config, crash_at)
 
-            expected = "initial"  # the version each round's actions must come from
+            expected = await api.head()  # the version each round's actions must come from
             print()
             print(f"  {'round':>5}  {'reward':>6}  {'actions generated on':<22}  {'job':<12}  {'serving after':<13}")
             for r in range(rounds):
                 t0 = time.perf_counter()
                 before = await generated_on()
-                results = await episodes(r)
+                rollout_ids, results = await episodes(r)
                 after = await generated_on()
                 used = {v: n - before.get(v, 0) for v, n in after.items() if n != before.get(v, 0)}
                 if set(used) != {expected}:
                     problems.append(f"round {r + 1} generated on {used}, not only on {expected}")
                 reward = sum(float(x["reward"]) for x in results) / len(results)
                 rewards.append(reward)
-                payload = {"scenario_step": r, "rollouts": [
-                    {"prompt": encode(x["prompt"]), "completion": encode("".join(x["actions"])),
-                     "reward": float(x["reward"])} for x in results]}
                 notes: list[str] = []
-                trainer = trainer_pids(serve.pid) if r == kill_round else []
-                job_id, disposition = await api.submit(payload)
-                notes.append(disposition)
-                if r == kill_round:
-                    if not trainer:
-                        problems.append(f"round {r + 1}: no trainer process of the orchestrator to kill")
-                    for pid in trainer:
-                        os.kill(pid, signal.SIGKILL)
-                        crashes.append(f"trainer (pid {pid}) SIGKILLed right after its job was submitted")
-                    print(f"  ! trainer SIGKILLed right after job {job_id[:12]} was submitted", flush=True)
-                    notes.append("again: " + (await api.submit(payload))[1])
-                job = await api.until_complete_or_dead(job_id, serve)
+                batch = await api.batch_of(rollout_ids, serve)
+                job = None
+                if batch is not None:
+                    job_id = str(batch["job_id"])
+                    if r == kill_round:
+                        trainer = trainer_pids(serve.pid)
+                        if not trainer:
+                            problems.append(f"round {r + 1}: no trainer process of the orchestrator to kill")
+                        for pid in trainer:
+                            os.kill(pid, signal.SIGKILL)
+                            crashes.append(f"trainer (pid {pid}) SIGKILLed right after its batch's job was submitted")
+                        print(f"  ! trainer SIGKILLed right after job {job_id[:12]} was submitted", flush=True)
+                        notes.append("trainer killed")
+                    job = await api.until_complete_or_dead(job_id, serve)
                 if job is None:
                     if r == crash_round:
                         serve = await restart(CRASH_CHECKPOINT, None if crash2_round < 0 else
@@ -331,15 +360,22 @@ async def run(args: argparse.Namespace) -> int:
                         serve = await restart(CRASH_PUBLICATION, None)
                     else:
                         raise RuntimeError(f"the orchestrator died unexpectedly (exit {serve.returncode})")
-                    again, disposition = await api.submit(payload)
-                    if again != job_id:
-                        problems.append(f"round {r + 1}: the same batch became another job {again}")
-                    notes.append("again: " + disposition)
-                    job = await api.until_complete_or_dead(job_id, serve)
-                    if job is None:
+                    notes.append("finished by the next orchestrator")
+                    batch = await api.batch_of(rollout_ids, serve)
+                    job = None if batch is None else await api.until_complete_or_dead(str(batch["job_id"]), serve)
+                    if batch is None or job is None:
                         raise RuntimeError("the restarted orchestrator died too")
                 elif r in (crash_round, crash2_round):
                     problems.append(f"round {r + 1}: the orchestrator's crash hook never fired")
+                assert batch is not None and job is not None
+                # Read once the job is done: the orchestrator may have died since the rollouts finished.
+                recorded = {(await api.get(f"/v1/rollouts/{rid}") or {}).get("weight_version") for rid in rollout_ids}
+                if recorded != {expected}:
+                    problems.append(f"round {r + 1}: its rollouts record {recorded}, not {expected}")
+                job_id = str(batch["job_id"])
+                if sorted(batch["rollout_ids"]) != sorted(rollout_ids):
+                    problems.append(f"round {r + 1}: batch {batch['id']} holds {batch['rollout_ids']}")
+                notes.insert(0, f"batch {batch['id'].rpartition('.')[2]}")
                 jobs.append(job_id)
                 async with http.get(fleet.url("engine") + "/get_weight_version") as resp:
                     serving = (await resp.json())["weight_version"]
@@ -394,6 +430,8 @@ async def run(args: argparse.Namespace) -> int:
         print(f"audit the training jobs ({where}):")
         print("  SELECT scenario_step, substr(id, 1, 12) AS job, state, runtime_load_id, metrics "
               "FROM training_jobs ORDER BY scenario_step;")
+        print("  SELECT id, state, job_id, base_version, rollout_ids, excluded FROM training_batches ORDER BY number;")
+        print("  SELECT id, weight_version, batch_id, state FROM rollouts ORDER BY created_at;")
         print("  SELECT seq, ts, substr(entity_id, 1, 12) AS job, from_state, to_state, reason, epoch "
               "FROM events WHERE entity_kind = 'training_jobs' ORDER BY seq;")
         print("  more queries: docs/audit.md, docs/training.md")

@@ -63,6 +63,9 @@ def make_app(orch: Orchestrator) -> web.Application:
         if not orch.working():
             return web.json_response({"ready": False, "reason": "a leader loop is not running; stepping down"},
                                      status=503)
+        why = await orch.not_ready() if orch.is_leader else None
+        if why:
+            return web.json_response({"ready": False, "reason": why}, status=503)
         return web.json_response({"ready": True, "schema": revision, "leader": orch.is_leader})
 
     async def metrics(_: web.Request) -> web.Response:

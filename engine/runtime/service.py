@@ -87,7 +87,8 @@ class Orchestrator:
         self.reconciler.ctx.attach_sender(self.dispatcher.send)
         register_kinds(self.journal.kinds, self.workflows)
         given = list(controllers or [])
-        deps = Deps(settings, self.rpc, self.metrics, self.clock, frozenset(c.kind for c in given))
+        deps = Deps(settings, self.rpc, self.metrics, self.clock, frozenset(c.kind for c in given),
+                    write=self.committer.run, holder=self.holder, read=self.journal.read)
         #: Each built family's parts, by workflow name (a family its settings leave off is absent).
         self.parts: dict[str, Parts] = {}
         skip = set(unbuilt)
@@ -147,6 +148,9 @@ class Orchestrator:
                                           name="tidelog-dispatcher"),
                       asyncio.create_task(self._supervise("reconciler", self.reconciler.run()),
                                           name="tidelog-reconciler")]
+        for name, parts in self.parts.items():
+            if parts.run is not None:
+                self._work.append(asyncio.create_task(self._supervise(name, parts.run()), name=f"tidelog-{name}"))
 
     async def _supervise(self, name: str, work: Coroutine[Any, Any, None]) -> None:
         """Run one of the leader's loops; if it ever ends on its own, step down.
@@ -176,7 +180,15 @@ class Orchestrator:
         """False when this process leads but one of its loops is not running."""
         if not self.is_leader:
             return True
-        return len(self._work) == 2 and not any(t.done() for t in self._work)
+        return len(self._work) >= 2 and not any(t.done() for t in self._work)
+
+    async def not_ready(self) -> str | None:
+        """Why a built family is not ready (``/readyz``), or ``None``."""
+        for parts in self.parts.values():
+            why = None if parts.not_ready is None else await parts.not_ready()
+            if why:
+                return why
+        return None
 
     async def _lost(self) -> None:
         self.metrics.leader.set(0)
@@ -209,6 +221,13 @@ class Orchestrator:
     async def stop(self) -> None:
         """Graceful stop: finish in-flight work within the grace period, release the lease."""
         fence = self.leader.fence()
+        if fence is not None:
+            for name, parts in self.parts.items():
+                if parts.before_stop is not None:
+                    try:
+                        await parts.before_stop()
+                    except Exception:
+                        log.exception("%s: stopping before the loops failed", name)
         await self._stop_work()
         if self._leader_task is not None:
             self._leader_task.cancel()

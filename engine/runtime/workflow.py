@@ -15,7 +15,7 @@ is (``builtin_section``), and belongs to one family.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +37,8 @@ if TYPE_CHECKING:  # annotations only: the service imports this module
 
 #: A step run on election, in one fenced write before the loops start (e.g. sync configured rows).
 ElectionStep = Callable[[WriteTx], Awaitable[object]]
+#: A fenced write of the lease holder: runs the step in a group-committed transaction, returns its result.
+FencedWrite = Callable[[Callable[[WriteTx], Awaitable[Any]]], Awaitable[Any]]
 #: A CLI command: ``(settings, parsed arguments) -> exit code``.
 Command = Callable[["Settings", argparse.Namespace], int]
 
@@ -46,13 +48,18 @@ class Deps:
     """What a family's controllers are built from: the settings and the orchestrator's shared parts.
 
     ``replaced`` names the kinds whose controller the caller (a test) supplies itself; a family may
-    leave those out, or not build at all when its lead kind is replaced."""
+    leave those out, or not build at all when its lead kind is replaced. ``write`` is the leader's
+    fenced write (for a ``run`` task) and ``holder`` this orchestrator's lease holder id."""
 
     settings: Settings
     rpc: RpcClient
     metrics: Metrics
     clock: Clock
     replaced: frozenset[str] = frozenset()
+    write: FencedWrite | None = None
+    holder: str = ""
+    #: A read transaction of the journal (``journal.read``).
+    read: Callable[[], Any] | None = None
 
 
 @dataclass
@@ -64,6 +71,11 @@ class Parts:
     - ``on_lost``: awaited when the lease is lost, after the loops stopped.
     - ``close``: awaited once when the orchestrator stops.
     - ``handle``: the family's own object, for its routes (:meth:`Orchestrator.handle`).
+    - ``run``: a task run while this orchestrator leads, started after ``on_elected`` beside the
+      loops and cancelled with them; it must not return (that steps down, like a loop that ends).
+    - ``before_stop``: awaited when the orchestrator stops while it leads, before the loops drain
+      (its writes still go through); e.g. stopping what ``run`` started, in order.
+    - ``not_ready``: why ``/readyz`` answers 503 for this family (``None``: ready).
     """
 
     controllers: Sequence[Controller] = ()
@@ -71,6 +83,9 @@ class Parts:
     on_lost: Callable[[], Awaitable[None]] | None = None
     close: Callable[[], Awaitable[None]] | None = None
     handle: Any = None
+    run: Callable[[], Coroutine[Any, Any, None]] | None = None
+    before_stop: Callable[[], Awaitable[None]] | None = None
+    not_ready: Callable[[], Awaitable[str | None]] | None = None
 
 
 @dataclass(frozen=True)

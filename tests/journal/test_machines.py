@@ -146,7 +146,8 @@ def test_entity_kind_invariants() -> None:
 def test_registry() -> None:
     kinds = builtin_kinds()
     assert kinds.names() == ["checkpoint_members", "checkpoints", "engines", "participants", "restores",
-                             "retirements", "rollouts", "rpc_calls", "training_jobs", "weight_versions"]
+                             "retirements", "rollouts", "rpc_calls", "services", "training_batches", "training_jobs",
+                             "weight_versions"]
     kinds.register(WIDGET_KIND)
     kinds.register(EntityKind("widgets", widgets, WIDGETS))  # the same again is fine
     assert "widgets" in kinds and kinds.get("widgets") == WIDGET_KIND

@@ -4,8 +4,9 @@ own trainer").
 ``SgdTrainer`` keeps the trainer contract (workers/trainer/contract.py) with code of its own: plain
 SGD on the reference policy's weights (so the reference engine can serve what it publishes), its own
 checkpoint format (a torch file beside a JSON sidecar holding the file's SHA-256, job and step) and
-the step record of ``workers.trainer.steps``. The three ``Broken*`` classes each break one promise
-on purpose, for the conformance kit to name.
+the step record of ``workers.trainer.steps``. ``NoCheckpointSgdTrainer`` writes no checkpoint (its
+health says ``writes_checkpoint`` false) and is put back on published weights by ``load_weights``.
+The four ``Broken*`` classes each break one promise on purpose, for the conformance kit to name.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 
-from workers.policy import Policy, save_weights
+from workers.policy import Policy, load_weights, save_weights
 from workers.trainer.errors import JobError
 from workers.trainer.steps import INITIAL, read_step_record, write_step_record
 
@@ -109,6 +110,49 @@ class SgdTrainer:
         record = read_step_record(self.state_dir) if self.state_dir is not None else None
         return {"ok": True, "pid": os.getpid(), "step": self.step, "last_job_id": self.last_job_id,
                 "in_doubt": self.in_doubt, "step_record": record.as_dict() if record else None}
+
+
+class NoCheckpointSgdTrainer(SgdTrainer):
+    """``SgdTrainer`` that writes no checkpoint per step (health says ``writes_checkpoint`` false): its
+    live weights are published, and it is put back on the committed head by ``load_weights``. Plain
+    SGD keeps no optimizer state, so a trainer put back on published weights steps exactly as the one
+    that published them would have."""
+
+    def save_checkpoint(self, path: str, job_id: str) -> dict[str, Any]:
+        raise RuntimeError("this trainer writes no checkpoint (its health says writes_checkpoint false)")
+
+    def verify_checkpoint(self, path: str) -> dict[str, Any]:
+        raise RuntimeError("this trainer writes no checkpoint")
+
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
+        raise RuntimeError("this trainer writes no checkpoint")
+
+    def load_weights(self, directory: str, job_id: str, step: int) -> dict[str, Any]:
+        state, meta = load_weights(directory)
+        self.model.load_state_dict(state)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=self.optimizer.param_groups[0]["lr"])
+        self.step, self.last_job_id, self.in_doubt = step, job_id, None
+        self._record(step, job_id, "loaded")
+        return {"job_id": job_id, "step": step, "version": meta.get("version")}
+
+    def health(self) -> dict[str, Any]:
+        return {**super().health(), "writes_checkpoint": False}
+
+
+class BrokenForgetfulLoad(NoCheckpointSgdTrainer):
+    """Loads published weights but forgets which job they hold: that job trains again."""
+
+    def load_weights(self, directory: str, job_id: str, step: int) -> dict[str, Any]:
+        info = super().load_weights(directory, job_id, step)
+        self.last_job_id = None
+        return info
+
+    def health(self) -> dict[str, Any]:
+        # Says the job it was given, as promised, while train no longer refuses it.
+        report = super().health()
+        record = report.get("step_record") or {}
+        return {**report, "last_job_id": record.get("job_id") if record.get("phase") == "loaded" else
+                report["last_job_id"]}
 
 
 def _digest(path: str) -> str:

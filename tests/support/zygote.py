@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[2]
 #: (torch starts one native thread, as it does in every process that ``fork``s after importing
 #: it, such as a DataLoader's).
 PRELOAD = ("engine.cli.commands", "engine.runtime.service", "tests.support.training_worker",
-           "tests.support.workflow_worker", "tests.support.pipeline_worker", "workers.inference.reference",
+           "tests.support.workflow_worker", "tests.support.pipeline_worker", "tests.support.batching_worker", "workers.inference.reference",
            "workers.reference.environment", "workers.reference.agent", "workers.reference.model",
            "workers.reference.resources")
 

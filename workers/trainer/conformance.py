@@ -16,7 +16,9 @@ names a function ``fn(salt: int) -> dict`` that returns a payload the class trai
 
 "The step record says ``started`` before the optimizer moves" is observed through torch's global
 optimizer pre-step hook, so it is checked for trainers that step a ``torch.optim`` optimizer and
-skipped (saying so) for others.
+skipped (saying so) for others. A trainer whose health says ``writes_checkpoint`` false skips the four
+checkpoint promises and is checked on ``load_weights`` instead (``loads_published_weights``, skipped
+for a trainer that writes checkpoints).
 """
 
 from __future__ import annotations
@@ -53,7 +55,13 @@ PROMISES: dict[str, str] = {
     "load_continues": "a fresh trainer that loads a checkpoint holds its step and job, says loaded, and "
                       "refuses that job again",
     "weights": "prepare_weights writes the version's directory and send_weights accepts it",
+    "loads_published_weights": "a trainer that writes no checkpoint (health says writes_checkpoint false): a "
+                               "fresh one that loads a published weights directory holds its job, step and "
+                               "weights, says loaded, and refuses that job again",
 }
+#: The promises about checkpoints: skipped for a trainer whose health says ``writes_checkpoint`` false.
+CHECKPOINT_PROMISES = ("checkpoint_names_job_and_step", "checkpoint_refuses_other_job", "truncated_checkpoint_fails",
+                       "load_continues")
 
 
 class ConformanceError(AssertionError):
@@ -85,7 +93,9 @@ class Report:
         out = [f"trainer conformance: {self.trainer}"]
         for c in self.checks:
             out.append(f"  {c.outcome:7} {c.promise}: {PROMISES[c.promise]}" + (f" — {c.detail}" if c.detail else ""))
-        out.append(f"{len(self.checks) - len(self.failed)} passed, {len(self.failed)} failed")
+        skipped = sum(c.outcome == "skipped" for c in self.checks)
+        passed = len(self.checks) - len(self.failed) - skipped
+        out.append(f"{passed} passed, {len(self.failed)} failed" + (f", {skipped} skipped" if skipped else ""))
         return out
 
 
@@ -247,6 +257,39 @@ class _Run:
         self.first.send_weights(target, [])
 
 
+    def loads_published_weights(self) -> None:
+        if self.first.health().get("writes_checkpoint") is not False:
+            raise _Skipped("it writes checkpoints: load_weights is not called")
+        load = getattr(self.cls, "load_weights", None)
+        if not callable(load):
+            raise ConformanceError("loads_published_weights", "no load_weights(directory, job_id, step) method")
+        directory = str(self.workdir / "weights" / "v1")  # what the weights promise published
+        second = self.build("published")
+        second.load_weights(directory, self.job["job_id"], 1)
+        report = second.health()
+        record = report.get("step_record") or {}
+        if (report["step"], report["last_job_id"]) != (1, self.job["job_id"]) or record.get("phase") != "loaded":
+            raise ConformanceError("loads_published_weights", f"after loading: step {report['step']}, job "
+                                                              f"{report['last_job_id']!r}, step record {record!r}")
+        # It holds those weights: published again under the same version, they are the same bytes.
+        again = str(self.workdir / "weights" / "v1-again")
+        second.prepare_weights({"version": "conformance:1", "directory": again})
+        if _files(Path(directory)) != _files(Path(again)):
+            raise ConformanceError("loads_published_weights", "the weights it publishes after loading are not the "
+                                                              "ones it loaded")
+        try:
+            second.train(self.job)
+        except Exception:  # noqa: BLE001 - refused, as promised
+            return
+        raise ConformanceError("loads_published_weights", "a trainer that loaded the job's published weights "
+                                                          "trained the job again")
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    """Every file under ``directory`` by its relative path, with its bytes."""
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
 class _Skipped(Exception):
     """A promise the kit cannot observe for this class (the reason is the message)."""
 
@@ -276,6 +319,9 @@ def check_trainer(trainer: type | str, kwargs: Mapping[str, Any] | None = None, 
         report = Report(WorkerSpec(trainer).name)
         for promise in PROMISES:
             try:
+                if promise in CHECKPOINT_PROMISES and run.first is not None \
+                        and run.first.health().get("writes_checkpoint") is False:
+                    raise _Skipped("its health says writes_checkpoint false")
                 getattr(run, promise)()
             except _Skipped as why:
                 report.checks.append(Check(promise, "skipped", str(why)))

@@ -82,8 +82,25 @@ class TrainerContract(Protocol):
         """A cheap report, callable at any time: ``step`` (optimizer steps in the weights),
         ``last_job_id`` (the job of the latest step, or None), ``in_doubt`` (a job whose step began and
         did not finish, or None) and ``step_record`` (the durable record as a dict, or None without a
-        ``state_dir``). The orchestrator settles an ambiguous job from these."""
+        ``state_dir``). The orchestrator settles an ambiguous job from these.
+
+        ``writes_checkpoint: False`` (absent: True) says the trainer writes no checkpoint per step: the
+        orchestrator then never calls ``save_checkpoint``/``verify_checkpoint``/``load_checkpoint``,
+        records the job ``CHECKPOINT`` with a null path, publishes the live weights, and puts the
+        trainer back on the committed head with :meth:`load_weights` (see there)."""
         ...
 
 
-__all__ = ["METHODS", "TrainerContract"]
+class NoCheckpointTrainer(TrainerContract, Protocol):
+    """A trainer whose health says ``writes_checkpoint: False`` also has this method."""
+
+    def load_weights(self, directory: str, job_id: str, step: int) -> dict[str, Any]:
+        """Load a published weights directory (what :meth:`prepare_weights` wrote for the committed
+        head) and continue from it as the state after ``job_id``'s step ``step``: health then reports
+        that step and job, the step record says ``loaded``, and that job is refused if sent again.
+        Called when the trainer must be put back on the head: a fresh process after a restart, or
+        after a rejected job. The optimizer's state is not in published weights: it starts afresh."""
+        ...
+
+
+__all__ = ["METHODS", "NoCheckpointTrainer", "TrainerContract"]

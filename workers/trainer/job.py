@@ -3,7 +3,8 @@
 A job is a plain mapping (or a :class:`TrainingJob`) with a non-empty ``job_id`` and a
 non-empty batch ``rollouts`` of scored rollouts. Each rollout of the reference task is a
 ``prompt`` and the ``completion`` the policy produced for it — token ids, or text that
-:func:`workers.policy.encode` turns into ids — and a finite ``reward``. Other keys of the
+:func:`workers.policy.encode` turns into ids — and a finite ``reward`` (and, from a batch of the
+journal's rollouts, its ``rollout_id`` and ``weight_version``, which the step does not use). Other keys of the
 mapping (``scenario_step``, ``batch_id``, …) are accepted and ignored, so the orchestrator
 can pass its payload as it stored it.
 
@@ -41,6 +42,9 @@ class ScoredRollout(BaseModel):
     prompt: list[StrictInt] = Field(min_length=1, max_length=MAX_TOKENS)
     completion: list[StrictInt] = Field(min_length=1, max_length=MAX_TOKENS)
     reward: float = Field(strict=True, allow_inf_nan=False)
+    #: Where a batch of journal rollouts came from (``workers.reference.samples``): carried, not used.
+    rollout_id: str | None = None
+    weight_version: str | None = None
 
     _to_ids = field_validator("prompt", "completion", mode="before")(_tokens)
 

@@ -42,8 +42,10 @@ def batch_id(rollout_ids: list[str], now: datetime) -> str:
     return f"{PREFIX}{digest}"
 
 
-async def request_forget_batch(tx: WriteTx, *, limit: int, retry_s: float) -> list[str]:
+async def request_forget_batch(tx: WriteTx, *, limit: int, retry_s: float, batched: bool = False) -> list[str]:
     """Request the forget of up to ``limit`` done rollouts (oldest first) in ``tx``; the ids named.
+    With ``batched`` (``training.batching.enabled``) a finished rollout is done only once a training
+    batch took it (``batch_id`` set).
 
     Raises :class:`ForgetWaits` while an earlier batch is open or failed less than ``retry_s`` ago;
     returns ``[]`` when nothing is done and not yet forgotten."""
@@ -59,7 +61,10 @@ async def request_forget_batch(tx: WriteTx, *, limit: int, retry_s: float) -> li
         waited = (tx.now - last.updated_at).total_seconds()
         if waited < retry_s:
             raise ForgetWaits("the last forget batch failed", retry_s - waited)
-    ids = list((await tx.execute(sa.select(t.c.id).where(t.c.state.in_(DONE))
+    done: sa.ColumnElement[bool] = t.c.state.in_(DONE)
+    if batched:
+        done = sa.and_(done, sa.or_(t.c.state == "failed", t.c.batch_id.is_not(None)))
+    ids = list((await tx.execute(sa.select(t.c.id).where(done)
                                  .order_by(t.c.updated_at, t.c.id).limit(limit))).scalars())
     if ids:
         await request_retirement(tx, batch_id(ids, tx.now), "forget", rollout_ids=ids)

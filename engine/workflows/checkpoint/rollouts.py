@@ -40,7 +40,9 @@ States (``journal.machines.ROLLOUTS``) and what :class:`RolloutController` does 
 
 - ``finished`` and ``failed``: done for good, so forgotten everywhere, in batches
   (:mod:`engine.workflows.checkpoint.forgetting`): the forget's end moves them to ``forgotten``.
-  A done row that finds a batch open waits in memory for its end.
+  A done row that finds a batch open waits in memory for its end. With ``training.batching``, a
+  ``finished`` row waits first for a training batch to take it (its ``finished -> finished`` self-edge
+  sets ``batch_id``; :mod:`engine.workflows.training.batching`): its result is the job's data.
 
 The row's ``detail`` says why its last attempt ended.
 """
@@ -59,6 +61,7 @@ import sqlalchemy as sa
 
 from journal import Committed, Transition, WriteTx, models, outbox
 from journal.machines import CHECKPOINTS, RESTORES, RETIREMENTS
+from journal.readiness import deployment_held
 from journal.writes import Row
 from workers.protocol import EpisodeId, ErrorCode
 
@@ -90,6 +93,8 @@ class RolloutSettings:
     forget_retry_s: float = 5.0
     #: The training deployment whose committed weight version each attempt records (None: no training).
     deployment: str | None = None
+    #: ``training.batching.enabled``: a finished rollout is forgotten only once a batch took it.
+    batched: bool = False
 
 
 class Parked(Exception):
@@ -171,6 +176,10 @@ class RolloutController(BaseController):
                 elif c.to_state == "forgotten":
                     self._done.pop(c.entity_id, None)
                     self._unneeded.add(c.entity_id)
+                elif self.settings.batched and c.to_state == "finished" and c.from_state != "finished":
+                    # Just finished, so no batch has taken it: nothing to do until one does (its
+                    # finished -> finished commit wakes it).
+                    self._unneeded.add(c.entity_id)
                 elif c.to_state in DONE and self._batch_open_at == self._forget_wakes:
                     # Done while a forget batch is open: it waits for the next, as its look would decide.
                     self._done[c.entity_id] = None
@@ -189,6 +198,9 @@ class RolloutController(BaseController):
                 reopened = True
             elif c.kind == "participants" and c.to_state == "healthy" and c.from_state != "healthy":
                 reopened = True
+            elif (c.kind == "services" and c.to_state == "ready") or (c.kind == "engines" and c.to_state == "serving"
+                                                                       and c.from_state != "serving"):
+                reopened = True  # the deployment may be ready again (dispatch held meanwhile)
             elif (c.kind == "retirements" and c.entity_id.startswith(FORGET_PREFIX)
                   and c.to_state in RETIREMENTS.terminal):
                 self._forget_wakes += 1
@@ -272,7 +284,7 @@ class RolloutController(BaseController):
         """The free slots, in dispatch order: each next one on the least busy environment (``pinned``:
         on that one only), as many as ``max_in_flight`` and ``per_environment`` leave; or
         :class:`Parked` saying why there is none."""
-        blocker = await open_workflow(conn)
+        blocker = await open_workflow(conn) or await deployment_held(conn)
         if blocker is not None:
             raise Parked(blocker)
         p, t = models.participants, models.rollouts
@@ -504,6 +516,9 @@ class RolloutController(BaseController):
     # -- finished, failed: forgotten everywhere, in batches ------------------------------------------
 
     async def _forget(self, ctx: Context, row: Row) -> Result:
+        if self.settings.batched and row.state == "finished" and row["batch_id"] is None:
+            # Its result is what a batch trains on: kept until a batch takes it (that commit wakes it).
+            return Result()
         wakes = self._forget_wakes
         if self._batch_open_at == wakes:
             # A batch was open at this generation and none has ended since (each end bumps it):
@@ -512,7 +527,7 @@ class RolloutController(BaseController):
 
         async def write(tx: WriteTx) -> list[str]:
             return await request_forget_batch(tx, limit=self.settings.forget_batch,
-                                              retry_s=self.settings.forget_retry_s)
+                                              retry_s=self.settings.forget_retry_s, batched=self.settings.batched)
         try:
             named = await ctx.write(write)
         except ForgetWaits as exc:

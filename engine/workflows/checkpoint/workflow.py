@@ -38,7 +38,8 @@ def build(deps: Deps) -> Parts:
     c, r = deps.settings.checkpoint, deps.settings.rollouts
     rollouts = RolloutController(RolloutSettings(
         r.max_in_flight, r.per_environment, r.max_failures, r.run_timeout_s, r.forget_batch, r.forget_retry_s,
-        deployment=deps.settings.training.deployment if deps.settings.training.enabled else None))
+        deployment=deps.settings.training.deployment if deps.settings.training.enabled else None,
+        batched=deps.settings.training.enabled and deps.settings.training.batching.enabled))
     controllers: list[Controller] = [
         CheckpointController(CheckpointTimeouts(c.prepare_timeout_s, c.commit_timeout_s, c.resume_timeout_s)),
         RestoreController(RestoreSettings(c.restore_timeout_s, c.resume_timeout_s)),

@@ -25,6 +25,9 @@
   ``GET /v1/publications/{load_id}``: the version, its ``job`` (summary, null for initial weights) and
   the engines that report serving it (``served_by``).
 - ``GET /v1/engines``: every engine row (state, serving_version, paused, health, detail).
+- ``GET /v1/batches[?state=&limit=&before=]`` (``training_batches``, newest first) and
+  ``GET /v1/batches/{id}``: the batch (its members, the rollouts it excluded and why, its base version)
+  with its ``job`` (summary, null while it is open).
 
 Reads come from the journal, so any replica answers them, with or without training configured. The
 POSTs need the token and the leader (the API's ``mutating`` guard) and a training-enabled
@@ -55,7 +58,7 @@ from engine.workflows.training.wiring import TrainingParts
 if TYPE_CHECKING:  # annotations only: the service builds the families
     from engine.runtime.service import Orchestrator
 
-JOBS, VERSIONS, ENGINES = "training_jobs", "weight_versions", "engines"
+JOBS, VERSIONS, ENGINES, BATCHES = "training_jobs", "weight_versions", "engines", "training_batches"
 
 
 def _said(v: str) -> str:
@@ -296,6 +299,20 @@ def add_training_routes(app: web.Application, orch: Orchestrator, mutating: Call
         out["served_by"] = list(served)
         return web.json_response(out)
 
+    async def batch_get(request: web.Request) -> web.Response:
+        no_query(request.query)
+        batch = request.match_info["id"]
+        b = models.training_batches
+        async with orch.journal.read(snapshot=True) as conn:
+            row = (await conn.execute(sa.select(b).where(b.c.id == batch))).first()
+            if row is None:
+                raise ApiError(404, "not_found", f"no training batch {batch!r}")
+            job_id = row._mapping["job_id"]
+            job = None if job_id is None else await job_summary(conn, job_id)
+        out = row_json(row._mapping)
+        out["job"] = job
+        return web.json_response(out)
+
     async def engines(request: web.Request) -> web.Response:
         no_query(request.query)
         async with orch.journal.read() as conn:
@@ -315,6 +332,8 @@ def add_training_routes(app: web.Application, orch: Orchestrator, mutating: Call
                                                         ("created_at", "sequence", "id"), row_json)))
     app.router.add_get("/v1/publications/{load_id}", handled(publication_get))
     app.router.add_get("/v1/engines", handled(engines))
+    app.router.add_get("/v1/batches", handled(lister(BATCHES, "batches", ("created_at", "number", "id"), row_json)))
+    app.router.add_get("/v1/batches/{id}", handled(batch_get))
 
 
 __all__ = ["REFUSALS", "AcknowledgeJob", "RejectJob", "ResolveJob", "SubmitJob", "add_training_routes"]

@@ -9,7 +9,7 @@ workflow commands (split from :mod:`engine.cli`).
 - ``tidelog jobs resolve ID --decision {ran,not_run,abandon} --reason TEXT [--checkpoint PATH]``
   ``tidelog jobs acknowledge ID --reason TEXT`` (a READY_TO_COMMIT candidate becomes the head) and
   ``tidelog jobs reject ID --reason TEXT``: the operator's decisions (docs/training.md);
-- ``tidelog publications [ID]``, ``tidelog engines``.
+- ``tidelog publications [ID]``, ``tidelog engines``, ``tidelog batches [ID]``.
 
 Every command takes ``--url`` and ``--json``. Exit codes as the other commands: 0 done, 2 bad input or
 an API that is unreachable or refuses (the refusal quoted on one line).
@@ -64,6 +64,10 @@ def add_commands(sub: Any) -> Mapping[str, Command]:
     p.add_argument("--state", help="only versions in this state (target, loaded, committed, rejected)")
     p.add_argument("--limit", type=int, default=50, help="at most this many (default 50)")
     _api(sub.add_parser("engines", help="the deployment's inference engines as the journal records them"))
+    b = _api(sub.add_parser("batches", help="training batches of finished rollouts, newest first (or one of them)"))
+    b.add_argument("id", nargs="?", help="a batch id <deployment>.b<number>")
+    b.add_argument("--state", help="only batches in this state (open, submitted, trained, rejected, failed)")
+    b.add_argument("--limit", type=int, default=50, help="at most this many (default 50)")
     return HANDLERS
 
 
@@ -193,6 +197,34 @@ def engines(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
-HANDLERS: dict[str, Command] = {"jobs": jobs, "publications": publications, "engines": engines}
+def batches(settings: Settings, args: argparse.Namespace) -> int:
+    client = _client(settings, args)
+    if args.id:
+        if args.state:
+            raise ValueError("--state lists batches; it does not go with an ID")
+        b = client.get(f"/v1/batches/{_q(args.id)}")
+        job = b.get("job")
+        excluded = b.get("excluded") or {}
+        lines = [f"batch {b['id']}: {b['state']}",
+                 f"  job         {job['id'] + ' ' + job['state'] if job else '(none yet)'}",
+                 f"  base        {b['base_version'] or '-'}",
+                 f"  members     {', '.join(b['rollout_ids'] or []) or '-'}",
+                 f"  excluded    {len(excluded)}"] + [f"    {rid}: {why}" for rid, why in excluded.items()]
+        return _print(args, b, "\n".join(lines))
+    params: dict[str, Any] = {"limit": args.limit}
+    if args.state:
+        params["state"] = args.state
+    rows = client.get("/v1/batches", params)["batches"]
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    print(f"{'batch':<24}  {'state':<10}  {'members':>7}  {'excluded':>8}  job")
+    for b in rows:
+        print(f"{b['id']:<24}  {b['state']:<10}  {len(b['rollout_ids'] or []):>7}  {len(b['excluded'] or {}):>8}  "
+              f"{b['job_id'] or '-'}")
+    return 0
+
+
+HANDLERS: dict[str, Command] = {"jobs": jobs, "publications": publications, "engines": engines, "batches": batches}
 
 __all__ = ["HANDLERS", "add_commands", "read_payload"]

@@ -64,7 +64,7 @@ INITIAL = "initial"
 #: before any reply is awaited (a data-parallel group steps, loads and declares together); rank 0's
 #: reply is the group's. A refusal counts as one (``JobError``: nothing stepped) only when every rank
 #: refused; any other mix of failures is the group's failure, and the step may have run somewhere.
-GROUP_CALLS = frozenset({"train", "load_checkpoint", "declare_initial"})
+GROUP_CALLS = frozenset({"train", "load_checkpoint", "load_weights", "declare_initial"})
 
 
 class TrainerRanks(Protocol):
@@ -230,7 +230,20 @@ class TrainingController(BaseController):
         last, doubt = health.get("last_job_id"), health.get("in_doubt")
         if last == row.id and doubt is None:
             return health
-        latest = await self._latest_step(ctx, row)
+        if health.get("writes_checkpoint") is False:
+            head = await self._head_job(ctx, row)
+            if head is not None:
+                job, weights = head
+                if last != job.id or doubt is not None:
+                    step = int(job["trainer_step"] or 0) + 1
+                    log.info("training job %s: the trainer (no checkpoints) holds %r; loading the head's weights "
+                             "%s (job %s, step %d)", row.id[:12], last, weights, job.id[:12], step)
+                    await self._call("load_weights", weights, job.id, step)
+                    health = {**health, "step": step, "last_job_id": job.id, "in_doubt": None}
+                return health
+            latest = None
+        else:
+            latest = await self._latest_step(ctx, row)
         if latest is not None:
             if last != latest.id or doubt is not None:
                 log.info("training job %s: the trainer's latest step is %r (in doubt: %r); loading job %s's "
@@ -286,6 +299,20 @@ class TrainingController(BaseController):
                 .order_by(t.c.created_at.desc()).limit(1))).first()
         return None if found is None else to_row(KIND, found._mapping)
 
+    async def _head_job(self, ctx: Context, row: Row) -> tuple[Row, str] | None:
+        """For a trainer that writes no checkpoint: the job whose published weights are the
+        deployment's committed head, and their directory (``None``: the head is the initial weights,
+        or nothing is committed yet)."""
+        v, t = models.weight_versions, models.training_jobs
+        async with ctx.journal.read() as conn:
+            head = (await conn.execute(sa.select(v.c.job_id, v.c.weights_path).where(
+                v.c.deployment == row["deployment"], v.c.state == "committed")
+                .order_by(v.c.sequence.desc()).limit(1))).first()
+            if head is None or head.job_id is None or head.weights_path is None:
+                return None
+            job = (await conn.execute(sa.select(t).where(t.c.id == head.job_id))).first()
+        return None if job is None else (to_row(KIND, job._mapping), str(head.weights_path))
+
     def _ambiguous(self, row: Row, why: str, extra: dict[str, Any] | None = None) -> Transition:
         return Transition(KIND, row.id, row.state, row.version, "AMBIGUOUS", why[:200],
                           {"ambiguity": why, **(extra or {})})
@@ -310,6 +337,13 @@ class TrainingController(BaseController):
                 else:
                     await ctx.apply(self._ambiguous(row, f"train failed ({type(exc).__name__}: {exc}); the step "
                                                          f"may have run", before))
+                return Result()
+            if health.get("writes_checkpoint") is False:
+                # Its live weights are the step's only copy until they are published (docs/training.md).
+                await ctx.apply(Transition(KIND, row.id, "RUNNING", row.version, "CHECKPOINT",
+                                           f"step {int(health.get('step') or 0) + 1} trained (the trainer writes no "
+                                           f"checkpoint: its live weights are published)",
+                                           {"checkpoint_path": None, "metrics": metrics, "detail": None, **before}))
                 return Result()
             path = self.checkpoint_path(row.id)
             try:
@@ -347,14 +381,17 @@ class TrainingController(BaseController):
         path = self.checkpoint_path(row.id)
         self._busy.add(row.id)
         try:
+            synced: dict[str, Any] = {}
             try:
-                await self._sync_trainer(ctx, row)
+                synced = await self._sync_trainer(ctx, row)
             except Exception as exc:  # noqa: BLE001 - an unreachable trainer proves nothing
                 log.warning("training job %s: could not bring the trainer onto the latest step (%s)", row.id, exc)
-            try:
-                info: dict[str, Any] | None = await self._call("verify_checkpoint", path)
-            except Exception:  # noqa: BLE001 - no checkpoint there (or a damaged one): not evidence
-                info = None
+            info: dict[str, Any] | None = None
+            if synced.get("writes_checkpoint") is not False:  # a trainer without checkpoints is never asked
+                try:
+                    info = await self._call("verify_checkpoint", path)
+                except Exception:  # noqa: BLE001 - no checkpoint there (or a damaged one): not evidence
+                    info = None
             if info is not None and info.get("job_id") == row.id:
                 await ctx.apply(Transition(KIND, row.id, "AMBIGUOUS", row.version, "CHECKPOINT",
                                            f"settled: checkpoint {path} verifies and carries the job",
@@ -367,6 +404,16 @@ class TrainingController(BaseController):
                 log.warning("training job %s: the trainer did not answer (%s); looking again later", row.id, exc)
                 return await self._still_ambiguous(ctx, row, f"the trainer's health did not answer "
                                                              f"({type(exc).__name__}: {exc}); looking again later")
+            if (health.get("last_job_id") == row.id and health.get("in_doubt") is None
+                    and health.get("writes_checkpoint") is False):
+                await ctx.apply(Transition(KIND, row.id, "AMBIGUOUS", row.version, "CHECKPOINT",
+                                           f"settled: the live trainer's latest step {health.get('step')} is this job "
+                                           f"(it writes no checkpoint)",
+                                           {"checkpoint_path": None, "ambiguity": None, "detail": None,
+                                            # The step before it, as _train records: load_weights resumes after it.
+                                            "trainer_step": int(health.get("step") or 1) - 1,
+                                            "metrics": {"settled_from": "live trainer", "step": health.get("step")}}))
+                return Result()
             if health.get("last_job_id") == row.id and health.get("in_doubt") is None:
                 # The live trainer's latest step is this job: make the evidence durable now.
                 try:

@@ -48,6 +48,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from journal import Create, Transition, WriteTx, models
+from journal.readiness import deployment_held
 from journal.writes import Row, to_row
 from workers.inference.engine import InferenceEngine
 
@@ -105,6 +106,11 @@ class Publisher:
 
     async def step(self, ctx: Context, row: Row) -> Result:
         if row.state == "CHECKPOINT":
+            async with ctx.journal.read() as conn:
+                held = await deployment_held(conn, engines=False)
+            if held is not None:
+                # No engine is paused for a publication while the stack is rebuilt or down.
+                return await self._again(ctx, row, f"publication held: {held}")
             return await self._start(ctx, row)
         if row.state == "UPDATING_WEIGHTS":
             if row["detail"] is not None:
@@ -127,12 +133,15 @@ class Publisher:
         try:
             return await work
         except Exception as exc:  # noqa: BLE001 - recorded in the journal, and tried again
-            why = f"{row.state} step failed ({type(exc).__name__}: {exc}); trying again"
-            log.warning("job %s: %s", row.id[:12], why)
-            if row["detail"] != why:
-                await ctx.apply(Transition(KIND, row.id, row.state, row.version, row.state, why[:200],
-                                           {"detail": why}))
-            return Result(requeue_after=self.settings.retry_after_s)
+            return await self._again(ctx, row, f"{row.state} step failed ({type(exc).__name__}: {exc}); trying again")
+
+    async def _again(self, ctx: Context, row: Row, why: str) -> Result:
+        """A step that could not be taken now: ``why`` goes to ``detail`` (a self-transition, written
+        only when the words changed) and the job is looked at again after ``retry_after_s``."""
+        log.warning("job %s: %s", row.id[:12], why)
+        if row["detail"] != why:
+            await ctx.apply(Transition(KIND, row.id, row.state, row.version, row.state, why[:200], {"detail": why}))
+        return Result(requeue_after=self.settings.retry_after_s)
 
     async def _each(self, call: Callable[[InferenceEngine], Awaitable[Any]]) -> list[Any]:
         """``call`` on every engine at once; the results in engine order, or the first engine's failure.
@@ -159,20 +168,28 @@ class Publisher:
 
     async def _start(self, ctx: Context, row: Row) -> Result:
         if row["detail"] is not None:
-            # The last pause failed (its commit woke us at once): wait out the retry delay. (Every
-            # other move into CHECKPOINT clears detail, so only a failed pause leaves one here.)
+            # The last pause failed, or the trainer lost a live step (its commit woke us at once): wait
+            # out the retry delay. (Every other move into CHECKPOINT clears detail.)
             wait = self.settings.retry_after_s - (ctx.clock.now() - row["updated_at"]).total_seconds()
             if wait > 0:
                 return Result(requeue_after=wait)
+        if row["checkpoint_path"] is None:
+            # A trainer that writes no checkpoint: its live step is the only copy. One that lost it is
+            # found before any engine is paused, and the job is rejected (nothing can publish it).
+            try:
+                if self._ensure_trainer is not None:
+                    await self._ensure_trainer()
+                health = await self._trainer("health")
+            except Exception as exc:  # noqa: BLE001 - an unreachable trainer decides nothing; tried again
+                return await self._again(ctx, row, f"the trainer did not answer ({type(exc).__name__}: {exc}); "
+                                                   f"trying again")
+            if health.get("last_job_id") != row.id or health.get("in_doubt") is not None:
+                return await self._lost(ctx, row)
         try:
             await self._each(lambda e: e.pause_generation(self.settings.pause_mode))
         except Exception as exc:  # noqa: BLE001 - the job stays CHECKPOINT, nothing allocated; tried again
-            why = f"pausing the engines failed ({type(exc).__name__}: {exc}); trying again"
-            log.warning("job %s: %s", row.id[:12], why)
-            if row["detail"] != why:
-                await ctx.apply(Transition(KIND, row.id, "CHECKPOINT", row.version, "CHECKPOINT", why[:200],
-                                           {"detail": why}))
-            return Result(requeue_after=self.settings.retry_after_s)
+            return await self._again(ctx, row, f"pausing the engines failed ({type(exc).__name__}: {exc}); "
+                                               f"trying again")
         initial: LoadId | None = None
         target = ""
 
@@ -212,6 +229,18 @@ class Publisher:
         after = await ctx.get(KIND, row.id)
         return await self._transfer(ctx, after, first=True) if after is not None else Result()
 
+    async def _lost(self, ctx: Context, row: Row) -> Result:
+        """A trainer that writes no checkpoint no longer holds the job's step (its process was
+        replaced): nothing can publish it, so it is rejected at once, which serves the head again and
+        puts the trainer back on it (an operator could decide nothing else)."""
+        why = lost_step(row.id)
+        log.warning("job %s: %s", row.id[:12], why)
+        verdict = {"decision": "reject", "by": "orchestrator", "reason": why, "metrics": {},
+                   "at": ctx.clock.now().isoformat()}
+        await ctx.apply(Transition(KIND, row.id, row.state, row.version, "REJECTING", why[:200],
+                                   {"detail": why, "verdict": verdict}))
+        return Result()
+
     async def _transfer(self, ctx: Context, row: Row, *, first: bool = False) -> Result:
         target: str = row["target_load_id"]
         path = self.weights_path(target)
@@ -223,6 +252,8 @@ class Publisher:
                 await self._ensure_trainer()
             health = await self._trainer("health")
             if health.get("last_job_id") != row.id or health.get("in_doubt") is not None:
+                if row["checkpoint_path"] is None:
+                    return await self._lost(ctx, row)
                 await self._trainer("load_checkpoint", row["checkpoint_path"])
             await self._trainer("prepare_weights", {"version": target, "directory": path})
             await self._each(lambda e: e.update_weights_from_disk(path, target))
@@ -325,6 +356,11 @@ class Publisher:
                                                  f"initial weights"):
                     raise RuntimeError("the trainer holds the rejected step and cannot be started again on its "
                                        "initial weights; an operator must restart it")
+            elif restore is not None and restore["checkpoint_path"] is None and head is not None \
+                    and head["weights_path"] is not None and health.get("writes_checkpoint") is False:
+                # A trainer that writes no checkpoint: the head's published weights are its step.
+                await self._trainer("load_weights", head["weights_path"], restore.id,
+                                    int(restore["trainer_step"] or 0) + 1)
             elif restore is None or restore["checkpoint_path"] is None:
                 raise RuntimeError(f"the trainer holds the rejected step and the head "
                                    f"{head.id if head else '(none)'} has no checkpoint to put back; an operator "
@@ -342,4 +378,10 @@ class Publisher:
         return Result()
 
 
-__all__ = ["PublicationSettings", "Publisher"]
+def lost_step(job_id: str) -> str:
+    """Why a job of a trainer that writes no checkpoint cannot be published any more."""
+    return (f"the trainer no longer holds job {job_id[:12]}'s step (it writes no checkpoint, and its process "
+            f"was replaced): nothing can publish it, so it is rejected")
+
+
+__all__ = ["PublicationSettings", "Publisher", "lost_step"]

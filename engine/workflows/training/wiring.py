@@ -20,10 +20,12 @@ from workers.inference.engine import InferenceEngine
 from workers.inference.sglang import SGLangConfig, SGLangEngine
 
 from engine.config import Settings
+from engine.workflows.training.batching import BatchController, BatchingSettings
 from engine.workflows.training.commit_gate import CommitGateSettings, Evaluator
 from engine.workflows.training.engine_gate import EngineGateController, GateSettings, engine_id
 from engine.workflows.training.publication import PublicationSettings
 from engine.workflows.training.controller import TrainingController, TrainingSettings
+from engine.workflows.training.samples import BatchRules, load_sample
 from engine.workflows.training.trainer_host import TrainerHost
 
 
@@ -33,6 +35,8 @@ class TrainingParts:
     engines: Mapping[str, InferenceEngine]
     controller: TrainingController
     gate: EngineGateController
+    #: With ``training.batching.enabled``: groups finished rollouts into the deployment's jobs.
+    batcher: BatchController | None = None
 
     async def close(self) -> None:
         await asyncio.to_thread(self.host.shutdown)
@@ -85,7 +89,18 @@ def build_training(settings: Settings) -> TrainingParts:
         publication=(engines, publication) if engines else None)
     lock = controller.publisher.lock if controller.publisher is not None else asyncio.Lock()
     gate = EngineGateController(engines, GateSettings(t.deployment, t.pause_mode, t.retry_after_s), lock)
-    return TrainingParts(host, engines, controller, gate)
+    return TrainingParts(host, engines, controller, gate, batcher(settings))
 
 
-__all__ = ["TrainingParts", "build_training", "executor_config"]
+def batcher(settings: Settings) -> BatchController | None:
+    """The batch controller of ``training.batching`` (``None`` when it is not enabled). The sample
+    function is imported here, once: a module that cannot be imported fails the start."""
+    t, b = settings.training, settings.training.batching
+    if not b.enabled:
+        return None
+    rules = BatchRules(reward_key=b.reward_key, labels=dict(b.labels), max_staleness=b.max_staleness,
+                       sample=load_sample(b.sample, b.sample_kwargs))
+    return BatchController(BatchingSettings(t.deployment, b.size, rules))
+
+
+__all__ = ["TrainingParts", "batcher", "build_training", "executor_config"]

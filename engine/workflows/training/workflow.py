@@ -1,7 +1,8 @@
-"""The training family as registered: its kinds (training jobs, weight versions, engines), the
-trainer host, training controller and engine gate built from the ``training`` section (only when
-``training.enabled``), the configured engines synced on every election, the trainer released when
-the lease is lost, and its routes and commands."""
+"""The training family as registered: its kinds (training jobs, weight versions, engines, batches),
+the trainer host, training controller and engine gate built from the ``training`` section (only when
+``training.enabled``), the batcher with ``training.batching.enabled`` (its open batch ensured on every
+election), the configured engines synced on every election, the trainer released when the lease is
+lost, and its routes and commands."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from journal import EntityKind, WriteTx, machines, models
 from engine.config import TrainingWorkflowSettings
 from engine.runtime.workflow import Deps, Parts, Workflow, register
 from engine.workflows.training.api import add_training_routes
+from engine.workflows.training.batching import BatchController, ensure_head, ensure_open
 from engine.workflows.training.cli import add_commands
 from engine.workflows.training.engine_gate import sync_engines
 from engine.workflows.training.wiring import TrainingParts, build_training
@@ -32,12 +34,22 @@ def build(deps: Deps) -> Parts | None:
     async def sync(tx: WriteTx) -> list[str]:
         return await sync_engines(tx, t.deployment, engines)
 
+    async def open_batch(tx: WriteTx) -> str:
+        await ensure_head(tx, t.deployment, parts.controller.publisher.settings.initial_weights
+                          if parts.controller.publisher is not None else None)
+        return await ensure_open(tx, t.deployment)
+
+    batcher: BatchController | None = parts.batcher
+
     async def lost() -> None:
+        if batcher is not None:
+            await batcher.lost()
         # The next leader starts its own trainer; this one's must not train beside it.
         await asyncio.to_thread(parts.host.release)
 
-    return Parts(controllers=[parts.controller, parts.gate], on_elected=[sync], on_lost=lost,
-                 close=parts.close, handle=parts)
+    return Parts(controllers=[parts.controller, parts.gate, *([batcher] if batcher else [])],
+                 on_elected=[sync, *([open_batch] if batcher else [])], on_lost=lost, close=parts.close,
+                 handle=parts)
 
 
 def training_parts(handle: object) -> TrainingParts | None:
@@ -49,7 +61,7 @@ WORKFLOW = register(Workflow(
     NAME,
     kinds=tuple(EntityKind(m.kind, table, m) for table, m in (
         (models.training_jobs, machines.TRAINING_JOBS), (models.weight_versions, machines.WEIGHT_VERSIONS),
-        (models.engines, machines.ENGINES))),
+        (models.engines, machines.ENGINES), (models.training_batches, machines.TRAINING_BATCHES))),
     build=build, routes=add_training_routes, commands=add_commands,
     settings=TrainingWorkflowSettings, builtin_section=True))
 

@@ -37,7 +37,10 @@ def settings(journal_url: str, participants: dict[str, str]) -> Settings:
         "journal": {"url": journal_url},
         "orchestrator": {"lease_ttl_s": 5, "lease_renew_s": 1, "shutdown_grace_s": 1},
         "control": {"token": TOKEN},
-        "discovery": {"probe_timeout_s": 0.5, "probe_tries": 2, "interval_s": 60},
+        # 2 s per probe: a healthy in-process server must be able to answer while a loaded machine
+        # (CI runs two workers beside many processes) stalls this loop for a moment; the mute one
+        # still costs at most 2 tries x 2 s, inside the 10 s bound below.
+        "discovery": {"probe_timeout_s": 2, "probe_tries": 2, "interval_s": 60},
         "participants": [{"name": n, "url": u} for n, u in participants.items()],
         "logging": {"level": "WARNING"},
     })

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
-import tempfile
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -33,6 +31,7 @@ from engine.workflows.training.controller import TrainingController, TrainingSet
 from engine.runtime.service import Orchestrator
 from engine.workflows.training import submit_job
 from journal import Journal, audit
+from tests.support.ray_runtime import local_ray
 from tests.support.backends import only_sqlite
 from tests.support.training import edges, job_row, payload, submit, until_state, versions
 from tests.workers.inference.engines import EngineProc
@@ -43,7 +42,6 @@ from workers.trainer.worker import Trainer
 
 pytestmark = pytest.mark.slow
 
-REPO_ROOT = str(Path(__file__).resolve().parents[4])
 #: A safety net for starting a rank (a spawned interpreter or an actor importing torch), not a measure.
 LAUNCH_TIMEOUT_S = 120.0
 #: Every state a job passes through on its way to COMPLETE, in order.
@@ -52,35 +50,8 @@ TRAIL = [(None, "RUNNING"), ("RUNNING", "CHECKPOINT"), ("CHECKPOINT", "UPDATING_
          ("HEAD_COMMITTED", "COMPLETE")]
 
 
-@pytest.fixture(scope="module")
-def ray_runtime() -> Iterator[Any]:
-    """A real local Ray cluster on the CPU for this module (RAY_AUTH_MODE disabled, a short temp
-    dir, two CPUs), as ``tests/workers/executor/conftest.py`` starts one. A runtime someone else
-    already started is borrowed and left running."""
-    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'ray[default]>=2.9,<3')")
-    if ray.is_initialized():
-        yield ray
-        return
-    saved = {name: os.environ.get(name) for name in ("RAY_AUTH_MODE", "PYTHONPATH")}
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    # Ray workers inherit the driver's environment: let them import this checkout.
-    paths = [REPO_ROOT, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-    # Ray's socket paths live under the temp dir and must stay short (AF_UNIX limit).
-    temp_dir = tempfile.mkdtemp(prefix="tlray-", dir="/tmp")
-    try:
-        ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
-        try:
-            yield ray
-        finally:
-            ray.shutdown()
-    finally:
-        shutil.rmtree(temp_dir, ignore_errors=True)
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+#: A real local Ray cluster for this module (tests/support/ray_runtime.py).
+ray_runtime = pytest.fixture(scope="module")(local_ray)
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 """Configuration: one YAML file validated by pydantic, secrets from the environment.
 
-Every key is documented in ``config.example.yaml``. Unknown keys are refused.
+Every key is documented in ``config.example.yaml``. Unknown keys are refused. The ``deployment``
+section's models (the service stack) are in :mod:`engine.config.deployment`.
 The control token comes from ``TIDELOG_CONTROL_TOKEN`` (which wins) or from
 ``control.token`` in the file — never from the command line, and it is never
 printed: it is a ``SecretStr`` everywhere.
@@ -26,6 +27,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from journal import JournalURL, UnsupportedJournalURL
 
+from engine.config.deployment import DeploymentSettingsModel
 from engine.runtime import workflow
 
 TOKEN_ENV = "TIDELOG_CONTROL_TOKEN"
@@ -338,6 +340,28 @@ class EvaluatorSettingsModel(_Strict):
         return None if v is None else _importable(v)
 
 
+class BatchingSettingsModel(_Strict):
+    """Finished rollouts grouped into training jobs (docs/training.md, "Batching rollouts into jobs")."""
+
+    enabled: bool = False
+    #: Rollouts per job.
+    size: int = Field(default=8, ge=1, le=4096)
+    #: A finished rollout qualifies only if its result holds a finite number under this key (null: any).
+    reward_key: str | None = Field(default="reward", min_length=1)
+    #: ... and only if it carries each of these labels with the same value.
+    labels: dict[str, Any] = Field(default_factory=dict)
+    #: Most publications a rollout's weight version may be behind the job's base (null: no bound).
+    max_staleness: int | None = Field(default=1, ge=0, le=1_000_000)
+    #: ``package.module:name``: ``fn(rollout, **sample_kwargs)`` -> the job's sample for one rollout.
+    sample: str = "engine.workflows.training.samples:rollout_sample"
+    sample_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("sample")
+    @classmethod
+    def _sample(cls, v: str) -> str:
+        return _importable(v)
+
+
 class TrainingWorkflowSettings(_Strict):
     """Training jobs and commit-gated publication (docs/training.md)."""
 
@@ -361,6 +385,7 @@ class TrainingWorkflowSettings(_Strict):
     acknowledge_timeout_s: float | None = Field(default=None, gt=0, le=30 * 86_400)
     on_acknowledge_timeout: Literal["reject", "hold"] = "reject"
     evaluator: EvaluatorSettingsModel = EvaluatorSettingsModel()
+    batching: BatchingSettingsModel = BatchingSettingsModel()
     engines: list[EngineEntry] = Field(default_factory=list)
 
     @field_validator("executor", mode="before")
@@ -390,6 +415,13 @@ class TrainingWorkflowSettings(_Strict):
     @model_validator(mode="after")
     def _engines_when_enabled(self) -> TrainingWorkflowSettings:
         # A job leaves the deployment's single in-flight slot only once published (or rejected).
+        if self.batching.enabled and not self.enabled:
+            raise ValueError("training.batching.enabled needs training.enabled: batches are submitted as "
+                             "the deployment's training jobs")
+        if self.batching.enabled and self.batching.max_staleness is not None and self.initial_weights is None:
+            # Without a head from the start, the first rollouts record no version and are all excluded.
+            raise ValueError("training.batching.max_staleness needs training.initial_weights: the first "
+                             "rollouts must record the version they ran on (or set max_staleness: null)")
         if self.enabled and not self.engines:
             raise ValueError("training.enabled needs at least one engine in training.engines: a trained "
                              "job holds the deployment until its weights are published")
@@ -433,6 +465,8 @@ class Settings(_Strict):
     rollouts: RolloutsSettings = RolloutsSettings()
     participants: list[ParticipantEntry] = Field(default_factory=list)
     training: TrainingWorkflowSettings = TrainingWorkflowSettings()
+    #: The service stack (engine/config/deployment.py; docs/deployment.md).
+    deployment: DeploymentSettingsModel = DeploymentSettingsModel()
     logging: LoggingSettings = LoggingSettings()
     #: Registered workflows' own sections, validated (filled from their keys; not a key itself).
     sections: dict[str, Any] = Field(default_factory=dict, exclude=True)

@@ -1,0 +1,1 @@
+"""The deployment family: the service stack as ``services`` rows (docs/deployment.md)."""

@@ -1,0 +1,125 @@
+"""Inference engines as services of the stack, behind the engine gate, on both journal backends (real
+reference engines, a real trainer in process): every launch of an engine's service makes its
+``engines`` row unverified in the same write, and the deployment is ready only once the gate has put
+the new process on the committed head — after an engine is SIGKILLed and the stack rebuilt, the
+replacement serves the head before readiness returns, and its history shows generation continued
+only on the head."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from engine.config import Settings
+from engine.runtime.service import Orchestrator
+from engine.workflows.deployment.plan import Plan, StackConfigError
+from engine.config.deployment import DeploymentSettingsModel
+from engine.workflows.deployment.stack import Stack
+from journal import models
+from tests.engine.workflows.deployment.test_stack import ROOT, service_port
+from tests.support.training import payload, submit, until_state
+from workers.policy import Policy, save_weights
+
+pytestmark = pytest.mark.slow
+
+
+def engine_service(port: int, initial: Path, name: str) -> dict[str, Any]:
+    return {"command": [sys.executable, "-m", "workers.inference.reference", "--port", str(port), "--model-dir",
+                        str(initial), "--enable-test-faults"],
+            "cwd": str(ROOT), "endpoint": f"http://{{host}}:{port}", "engine": name,
+            "readiness": {"http": f"${{endpoints.{name}}}/get_weight_version", "deadline_s": 120, "interval_s": 0.1}}
+
+
+def http_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+async def wait_for(check: Any, what: str, timeout: float = 120.0) -> Any:
+    end = time.monotonic() + timeout
+    while True:
+        value = await check()
+        if value:
+            return value
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+async def test_a_rebuilt_engine_serves_the_committed_head_before_readiness_returns(journal_url: str,
+                                                                                  tmp_path: Path) -> None:
+    initial = tmp_path / "initial"
+    save_weights(Policy(seed=0), initial, "initial")
+    ports = {"e0": service_port(), "e1": service_port()}
+    settings = Settings.model_validate({
+        "journal": {"url": journal_url},
+        "orchestrator": {"lease_ttl_s": 5, "lease_renew_s": 1, "shutdown_grace_s": 1},
+        "reconciler": {"resync_interval_s": 30},
+        "logging": {"level": "WARNING"},
+        "training": {"enabled": True, "executor": "uni", "deployment": "dep",
+                     "trainer": {"state_dir": str(tmp_path / "trainer")},
+                     "checkpoint_dir": str(tmp_path / "checkpoints"), "weights_dir": str(tmp_path / "weights"),
+                     "initial_weights": str(initial), "retry_after_s": 0.2, "publish_retry_after_s": 0.2,
+                     "engines": [{"name": n, "url": f"http://127.0.0.1:{p}"} for n, p in ports.items()]},
+        "deployment": {"run_dir": str(tmp_path / "run"), "recovery": {"delays_s": [0.2]},
+                       "services": {n: engine_service(p, initial, n) for n, p in ports.items()}}})
+    orch = Orchestrator(settings, unbuilt=["discovery"])
+    await orch.start()
+    try:
+        await wait_for(lambda: _ready(orch), "the deployment ready")
+        job = await submit(orch.journal, payload(1))
+        head = (await until_state(orch.journal, job, "COMPLETE"))["runtime_load_id"]
+        assert all(http_json(f"http://127.0.0.1:{p}/get_weight_version")["weight_version"] == head
+                   for p in ports.values())
+        stack: Stack = orch.handle("deployment")
+        victim = stack.procs["e0"].pid
+        os.kill(victim, signal.SIGKILL)
+        await wait_for(lambda: _async(stack.state != "ready"), "the failure seen")
+        # Readiness returns only once both new engines were put on the committed head by the gate.
+        await wait_for(lambda: _ready(orch), "the deployment ready again")
+        assert stack.procs["e0"].pid != victim
+        for name, port in ports.items():
+            assert http_json(f"http://127.0.0.1:{port}/get_weight_version")["weight_version"] == head, name
+            history = http_json(f"http://127.0.0.1:{port}/_test/history")["history"]
+            continued = [version for event, version, _ in history if event == "continue"]
+            assert continued and set(continued) == {head}, (name, history)
+            loads = [i for i, (event, version, _) in enumerate(history) if event == "load" and version == head]
+            assert loads and loads[0] < next(i for i, (e, _, _) in enumerate(history) if e == "continue"), history
+        async with orch.journal.read() as conn:
+            e = models.events
+            said = [r.reason for r in (await conn.execute(sa.select(e.c.reason).where(
+                e.c.entity_kind == "engines", e.c.entity_id == "dep/e0", e.c.to_state == "unverified")
+                .order_by(e.c.seq))).all()]
+        assert len(said) >= 2 and all("its service e0 was launched" in r for r in said[-2:]), said
+    finally:
+        await orch.stop()
+
+
+async def _ready(orch: Orchestrator) -> bool:
+    return orch.is_leader and await orch.not_ready() is None
+
+
+async def _async(value: bool) -> bool:
+    return value
+
+
+def test_an_engine_service_must_name_a_configured_engine_at_its_url() -> None:
+    services = DeploymentSettingsModel.model_validate({"services": {
+        "e": {"command": ["x"], "engine": "e0", "endpoint": "http://{host}:9000"}}})
+    with pytest.raises(StackConfigError, match=r"deployment.services.e.engine: 'e0' needs training.enabled"):
+        Plan.build(services, environ={})
+    with pytest.raises(StackConfigError, match=r"deployment.services.e.engine: 'e0' is not in training.engines"):
+        Plan.build(services, environ={}, engines={"other": "http://127.0.0.1:9000"})
+    with pytest.raises(StackConfigError, match=r"publishes http://127.0.0.1:9000, but training.engines 'e0' is at"):
+        Plan.build(services, environ={}, engines={"e0": "http://127.0.0.1:9001"})
+    plan = Plan.build(services, environ={}, engines={"e0": "http://127.0.0.1:9000"}, deployment="dep")
+    assert plan.engine_rows == {"e": "dep/e0"}

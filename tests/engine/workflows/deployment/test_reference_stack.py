@@ -1,0 +1,120 @@
+"""The four reference participants as a stack of ``tidelog serve``, on both journal backends: they
+come up in dependency order wired by ``${endpoints.X}``, the orchestrator dispatches rollouts to
+them, and a participant SIGKILLed while rollouts run is rebuilt with the whole stack; dispatch holds
+from the failure until every service is ready again (no attempt is sent in between, as the events
+show), and every rollout still finishes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from journal import Journal, models
+from tests.engine.workflows.deployment.test_stack import ROOT, TOKEN, events, get, serve, service_port, wait_stack
+
+pytestmark = pytest.mark.slow
+KINDS = ("model", "resources", "agent", "environment")
+#: A readiness command: the participant's checkpoint status answers with the control token.
+READY = [sys.executable, "-c", "import os, urllib.request as u; u.urlopen(u.Request(os.environ['STATUS'], "
+                               "headers={'Authorization': 'Bearer ' + os.environ['TIDELOG_CONTROL_TOKEN']}), timeout=2)"]
+
+
+def reference_stack(tmp: Path) -> tuple[dict[str, Any], list[dict[str, str]]]:
+    services: dict[str, Any] = {}
+    participants = []
+    wiring = {"model": [], "resources": [], "agent": ["--model", "${endpoints.model}"],
+              "environment": ["--agent", "${endpoints.agent}", "--resources", "${endpoints.resources}",
+                              "--step-delay", "0.4"]}
+    for kind in KINDS:
+        port = service_port()
+        services[kind] = {
+            "command": [sys.executable, "-m", f"workers.reference.{kind}", "--port", str(port), "--state-dir",
+                        str(tmp / "state" / kind), "--checkpoint-root", str(tmp / "ckpts"), *wiring[kind]],
+            "cwd": str(ROOT), "depends_on": {"agent": ["model"], "environment": ["agent", "resources"]}.get(kind, []),
+            "endpoint": f"http://{{host}}:{port}",
+            "env": {"TIDELOG_CONTROL_TOKEN": "${env.TIDELOG_CONTROL_TOKEN}",
+                    "STATUS": f"${{endpoints.{kind}}}/ng-control/v1/checkpoint/status"},
+            "readiness": {"command": READY, "interval_s": 0.1, "deadline_s": 60}}
+        participants.append({"name": f"{kind}-0", "url": f"http://127.0.0.1:{port}"})
+    return services, participants
+
+
+def post(info: dict[str, Any], path: str, body: dict[str, Any]) -> Any:
+    req = urllib.request.Request(info["base"] + path, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def rollouts(info: dict[str, Any], state: str) -> list[dict[str, Any]]:
+    return list(get(info, f"/v1/rollouts?state={state}&limit=1000")["rollouts"])
+
+
+@pytest.mark.parametrize("victim", ["environment", "model"])
+async def test_a_killed_participant_rebuilds_the_stack_and_dispatch_holds_meanwhile(
+        journal_url: str, tmp_path: Path, victim: str) -> None:
+    services, participants = reference_stack(tmp_path)
+    with serve(journal_url, tmp_path, services, participants=participants,
+               deployment={"recovery": {"delays_s": [0.5]}},
+               discovery={"probe_timeout_s": 2, "interval_s": 0.5, "max_backoff_s": 0.5},
+               checkpoint={"directory": str(tmp_path / "ckpts")}) as info:
+        body = wait_stack(info, "ready")
+        rows = {r["name"]: r for r in body["services"]}
+        assert rows["agent"]["started_at"] >= rows["model"]["ready_at"]
+        assert rows["environment"]["started_at"] >= max(rows["agent"]["ready_at"], rows["resources"]["ready_at"])
+        tasks = [{"rollout_id": f"r{i}", "input": {"prompt": f"task {i}", "turns": 4}} for i in range(6)]
+        post(info, "/v1/rollouts", {"tasks": tasks})
+        end = time.monotonic() + 30
+        while not rollouts(info, "dispatched"):
+            assert time.monotonic() < end, "no rollout was dispatched"
+            time.sleep(0.05)
+        os.kill(rows[victim]["pids"]["service"], signal.SIGKILL)
+        end = time.monotonic() + 90
+        while True:
+            body = get(info, "/v1/services")
+            if body["stack"]["state"] == "ready" and {r["name"]: r for r in body["services"]}[victim]["restarts"] == 1:
+                break
+            assert body["stack"]["state"] != "failed", body
+            assert time.monotonic() < end, f"the stack was not rebuilt: {body}"
+            time.sleep(0.05)
+        end = time.monotonic() + 120
+        # A finished rollout is forgotten everywhere afterwards (no batching here): both count as done.
+        while len(rollouts(info, "finished")) + len(rollouts(info, "forgotten")) < len(tasks):
+            assert not rollouts(info, "failed"), rollouts(info, "failed")
+            assert time.monotonic() < end, f"rollouts did not finish: {get(info, '/v1/rollouts?limit=100')}"
+            time.sleep(0.1)
+    # From the victim's failure until the last service was ready again, no attempt was sent.
+    seen = await events(journal_url)
+    failed = next(e["seq"] for e in seen if e["entity_id"] == victim and e["to_state"] == "failed")
+    # The first moment after the failure at which every service was ready again (a later rebuild, say
+    # by the health monitor on a loaded machine, does not move it).
+    up: set[str] = set()
+    ready_again = 0
+    for e in seen:
+        if e["seq"] > failed and e["to_state"] == "ready":
+            up.add(e["entity_id"])
+            if up == set(KINDS):
+                ready_again = e["seq"]
+                break
+    assert ready_again, "the stack was never ready again after the failure"
+    journal = Journal.open(journal_url)
+    try:
+        async with journal.read() as conn:
+            e = models.events
+            sent = [r.seq for r in (await conn.execute(sa.select(e.c.seq).where(
+                e.c.entity_kind == "rollouts", e.c.to_state == "dispatched"))).all()]
+            trail = [(r.seq, r.entity_id, r.from_state, r.to_state, r.reason[:80]) for r in (await conn.execute(
+                sa.select(e).where(e.c.entity_kind.in_(["rollouts", "services"])).order_by(e.c.seq))).all()]
+    finally:
+        await journal.dispose()
+    assert sent and not [s for s in sent if failed < s < ready_again], (failed, ready_again, sent)
+    assert [s for s in sent if s > ready_again], f"nothing was dispatched after the rebuild: {trail}"

@@ -1,0 +1,52 @@
+"""``journal.readiness.deployment_held`` on both backends: no stack never holds; a declared service
+that is not ready holds; a removed one does not; an engine service whose engine is not yet gated holds
+dispatch but not the start of a publication."""
+
+from __future__ import annotations
+
+from journal import Journal
+from journal.readiness import deployment_held
+
+
+async def _service(journal: Journal, name: str, state: str, *, engine: str | None = None,
+                   desired: str = "up") -> None:
+    async with journal.write() as tx:
+        await tx.create("services", name, reason="test", values={"engine": engine, "desired": desired})
+        path = {"pending": [], "starting": ["starting"], "ready": ["starting", "ready"],
+                "stopped": ["stopped"]}[state]
+        row = await tx.get("services", name)
+        assert row is not None
+        version, current = row.version, row.state
+        for step in path:
+            await tx.transition("services", name, from_state=current, version=version, to_state=step, reason="test")
+            version, current = version + 1, step
+
+
+async def _held(journal: Journal, **kw: bool) -> str | None:
+    async with journal.read() as conn:
+        return await deployment_held(conn, **kw)
+
+
+async def test_what_holds_the_deployment(journal: Journal) -> None:
+    assert await _held(journal) is None  # no stack declared
+    await _service(journal, "a", "ready")
+    assert await _held(journal) is None
+    await _service(journal, "old", "stopped", desired="removed")
+    assert await _held(journal) is None  # no longer declared: kept for its history only
+    await _service(journal, "b", "starting")
+    assert await _held(journal) == "the deployment is not ready (service b is starting)"
+
+
+async def test_an_engine_not_yet_gated_holds_dispatch_but_not_a_publication(journal: Journal) -> None:
+    async with journal.write() as tx:
+        await tx.create("engines", "dep/e0", reason="configured", values={"deployment": "dep", "url": "http://e"})
+    await _service(journal, "e0", "ready", engine="dep/e0")
+    said = "the deployment is not ready (the engine of service e0 is registered: not yet on the committed head)"
+    assert await _held(journal) == said
+    assert await _held(journal, engines=False) is None
+    async with journal.write() as tx:
+        row = await tx.get("engines", "dep/e0")
+        assert row is not None
+        await tx.transition("engines", "dep/e0", from_state="registered", version=row.version, to_state="serving",
+                            reason="gated", changes={"serving_version": "v"})
+    assert await _held(journal) is None
