@@ -55,6 +55,15 @@ def post(info: dict[str, Any], path: str, body: dict[str, Any]) -> Any:
         return json.loads(resp.read())
 
 
+def started(participants: list[dict[str, str]]) -> bool:
+    """Whether the environment completed a step of some episode (its status's ``executions``)."""
+    url = next(p["url"] for p in participants if p["name"] == "environment-0")
+    req = urllib.request.Request(url + "/ng-control/v1/checkpoint/status",
+                                 headers={"Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(req, timeout=5) as resp:
+        return bool(json.loads(resp.read())["executions"])
+
+
 def rollouts(info: dict[str, Any], state: str) -> list[dict[str, Any]]:
     return list(get(info, f"/v1/rollouts?state={state}&limit=1000")["rollouts"])
 
@@ -73,9 +82,13 @@ async def test_a_killed_participant_rebuilds_the_stack_and_dispatch_holds_meanwh
         assert rows["environment"]["started_at"] >= max(rows["agent"]["ready_at"], rows["resources"]["ready_at"])
         tasks = [{"rollout_id": f"r{i}", "input": {"prompt": f"task {i}", "turns": 4}} for i in range(6)]
         post(info, "/v1/rollouts", {"tasks": tasks})
+        # The kill must land while attempts run, or there is nothing for the rebuild to send again
+        # (in CI a kill made as soon as a row read ``dispatched`` once came after every episode had
+        # ended). So wait until the environment completed a first step: an episode is 9 steps of
+        # 0.4 s, so the others are still running when the kill lands.
         end = time.monotonic() + 30
-        while not rollouts(info, "dispatched"):
-            assert time.monotonic() < end, "no rollout was dispatched"
+        while not started(participants):
+            assert time.monotonic() < end, "no episode made a step"
             time.sleep(0.05)
         os.kill(rows[victim]["pids"]["service"], signal.SIGKILL)
         end = time.monotonic() + 90
@@ -116,5 +129,11 @@ async def test_a_killed_participant_rebuilds_the_stack_and_dispatch_holds_meanwh
                 sa.select(e).where(e.c.entity_kind.in_(["rollouts", "services"])).order_by(e.c.seq))).all()]
     finally:
         await journal.dispose()
-    assert sent and not [s for s in sent if failed < s < ready_again], (failed, ready_again, sent)
-    assert [s for s in sent if s > ready_again], f"nothing was dispatched after the rebuild: {trail}"
+    assert sent and not [s for s in sent if failed < s < ready_again], (failed, ready_again, sent, trail)
+    # Every rollout whose attempt was cut by the kill (not finished before the failure) was sent
+    # again, and only once the stack was ready again.
+    cut = {rid for seq, rid, _, to, _ in trail if to == "dispatched" and seq < failed}
+    cut -= {rid for seq, rid, _, to, _ in trail if to == "finished" and seq < failed}
+    assert cut, f"no attempt was in flight when {victim} died: {trail}"
+    again = {rid for seq, rid, _, to, _ in trail if to == "dispatched" and seq > ready_again}
+    assert cut <= again, f"{sorted(cut - again)} were not dispatched again after the rebuild: {trail}"
