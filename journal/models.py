@@ -280,6 +280,9 @@ training_jobs = sa.Table(
     # When every engine was verified on the candidate (READY_TO_COMMIT): the acknowledgement timeout
     # counts from it, across restarts.
     sa.Column("ready_at", UTCDateTime(), nullable=True),
+    # When the publication began pausing the engines (written before the first pause call): while
+    # the job is CHECKPOINT with it set, the engine gate pauses every engine it looks at.
+    sa.Column("pause_intent_at", UTCDateTime(), nullable=True),
     # The commit gate's verdict: {"decision": "commit"|"reject", "by": "auto"|"operator"|"evaluator"|
     # "timeout", "reason", "metrics", "at"} (docs/training.md, "The commit gate").
     sa.Column("verdict", JSONValue(), nullable=True),

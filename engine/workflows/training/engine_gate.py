@@ -10,10 +10,15 @@ publication step), and applies the gate the publication workflow keeps:
 
 - a publication between ``UPDATING_WEIGHTS`` and ``READY_TO_COMMIT`` holds an *uncommitted*
   candidate: the engine is paused (again, if it was restarted meanwhile) and stays paused;
-- a publication in ``CHECKPOINT``, ``HEAD_COMMITTED`` or ``REJECTING``: the publisher is about to
-  act on every engine (pause, resume on the committed version, put the incumbent back); the gate
-  only records what the engine reports (a ``registered`` or ``unverified`` row stays so until the
-  publisher is done: nothing verified can be said of it meanwhile);
+- a publication in ``CHECKPOINT`` whose pause intent is recorded (``pause_intent_at``: the publisher
+  began pausing the engines and has not got past the barrier, a partial pause failure included):
+  the engine is paused, a replacement started meanwhile too, so the barrier holds on every retry;
+- a publication in ``CHECKPOINT`` (no pause yet), ``HEAD_COMMITTED`` or ``REJECTING``: the
+  publisher is about to act on every engine (pause, resume on the committed version, put the
+  incumbent back); the gate only records what the engine reports (a ``registered`` or
+  ``unverified`` row stays so until the publisher is done: nothing verified can be said of it
+  meanwhile), except that such a row whose engine serves anything but the committed head is
+  paused (and recorded ``paused``): a replacement never generates off the head meanwhile;
 - no publication in flight: the engine must serve the committed head. One that serves anything
   else (an engine restarted on its start-up weights, one that loaded a candidate that was then
   rejected while the orchestrator was down) is paused, loads the head from disk and must report
@@ -159,9 +164,28 @@ class EngineGateController(BaseController):
                                                     "detail": f"job {job.id[:12]} {job.state}: held paused until "
                                                               f"its candidate is committed or rejected"})
             return Result()
+        if job is not None and job.state == "CHECKPOINT" and job["pause_intent_at"] is not None:
+            # The publisher began pausing every engine (its intent is durable) and has not yet got
+            # past the barrier: an engine it has not paused, or a replacement started meanwhile, is
+            # fenced now rather than left generating until the publisher's retry reaches it.
+            await engine.pause_generation(self.settings.pause_mode)
+            self._resumed.discard(row.id)
+            await self._record(ctx, row, "paused", {"health": "ok", "paused": True, "serving_version": version,
+                                                    "detail": f"job {job.id[:12]} is pausing every engine "
+                                                              f"(pause intent recorded): held paused"})
+            return Result()
         if job is not None and job.state in PUBLISHER_ACTS:
             # The publisher's next step pauses, resumes or restores every engine itself.
             self._resumed.discard(row.id)
+            if row.state in NOT_YET_KNOWN and head is not None and version != head.id:
+                # A replacement (or an engine not yet looked at) serving something other than the
+                # committed head must not generate until the publisher puts it on a version.
+                await engine.pause_generation(self.settings.pause_mode)
+                await self._record(ctx, row, "paused", {
+                    "health": "ok", "paused": True, "serving_version": version,
+                    "detail": f"job {job.id[:12]} {job.state}: serves {version!r}, not the committed head "
+                              f"{head.id}; held paused for the publisher"})
+                return retry
             if row.state in NOT_YET_KNOWN:
                 # Nothing verified to say of it yet (the publisher is about to change what it serves
                 # and whether it generates): looked at again once the publisher is done.

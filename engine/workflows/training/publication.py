@@ -4,7 +4,9 @@ The training controller hands a job to :class:`Publisher` from ``CHECKPOINT`` on
 is a durable transition; every engine call is safe to repeat (pausing a paused engine, loading
 the same version again), so a step interrupted by a crash is simply done again.
 
-1. ``CHECKPOINT``: pause every engine (a pause that fails is said in ``detail`` by a self-transition
+1. ``CHECKPOINT``: record the pause intent (``pause_intent_at``, a self-transition before the first
+   pause call: from then on the engine gate pauses every engine it looks at, a replacement too),
+   then pause every engine (a pause that fails is said in ``detail`` by a self-transition
    and the step is tried again after ``retry_after_s``: nothing is allocated until every engine
    paused); then, in one transaction, allocate the target runtime
    load id (the next sequence of the committed head's incarnation that no version of the
@@ -185,6 +187,17 @@ class Publisher:
                                                    f"trying again")
             if health.get("last_job_id") != row.id or health.get("in_doubt") is not None:
                 return await self._lost(ctx, row)
+        if row["pause_intent_at"] is None:
+            # Pause intent is durable before the first pause call: after a crash or a partial pause
+            # failure, the engine gate pauses every engine it looks at (a replacement too) until
+            # this step succeeds, so no engine generates across the barrier while it is retried.
+            await ctx.apply(Transition(KIND, row.id, "CHECKPOINT", row.version, "CHECKPOINT",
+                                       "pause intent recorded: pausing every engine",
+                                       {"pause_intent_at": ctx.clock.now()}))
+            again = await ctx.get(KIND, row.id)
+            if again is None or again.state != "CHECKPOINT":
+                return Result()
+            row = again
         try:
             await self._each(lambda e: e.pause_generation(self.settings.pause_mode))
         except Exception as exc:  # noqa: BLE001 - the job stays CHECKPOINT, nothing allocated; tried again

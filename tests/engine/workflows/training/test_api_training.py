@@ -127,7 +127,9 @@ async def test_jobs_are_submitted_shown_published_refused_and_resolved(
         assert done["state"] == "COMPLETE", done
         assert done["payload"] == payload(1) and done["terminal"] and done["ambiguity"] is None
         assert [p["state"] for p in done["phases"]] == PHASES, done["phases"]
-        assert [h["to_state"] for h in done["history"]] == PHASES
+        # The history has every event, the pause intent's CHECKPOINT -> CHECKPOINT among them.
+        assert [h["to_state"] for h in done["history"]] == ["RUNNING", "CHECKPOINT", "CHECKPOINT", *PHASES[2:]]
+        assert done["history"][2]["reason"] == "pause intent recorded: pausing every engine", done["history"]
         load_id = done["runtime_load_id"]
         assert done["publication"]["id"] == load_id and done["publication"]["state"] == "committed"
         assert done["publication"]["job_id"] == first
@@ -253,8 +255,8 @@ async def test_jobs_are_submitted_shown_published_refused_and_resolved(
         _, jobs = await call("GET", f"{base}/v1/jobs")
         assert [j["id"] for j in jobs["jobs"]] == [found, held, first]
     assert (await edges_of(journal_url, held))[-1] == ("HEAD_COMMITTED", "COMPLETE")
-    assert (await edges_of(journal_url, found))[-5:] == [
-        ("AMBIGUOUS", "CHECKPOINT"), ("CHECKPOINT", "UPDATING_WEIGHTS"), ("UPDATING_WEIGHTS", "READY_TO_COMMIT"),
+    assert (await edges_of(journal_url, found))[-6:] == [
+        ("AMBIGUOUS", "CHECKPOINT"), ("CHECKPOINT", "CHECKPOINT"), ("CHECKPOINT", "UPDATING_WEIGHTS"), ("UPDATING_WEIGHTS", "READY_TO_COMMIT"),
         ("READY_TO_COMMIT", "HEAD_COMMITTED"), ("HEAD_COMMITTED", "COMPLETE")]
 
 

@@ -45,7 +45,7 @@ pytestmark = pytest.mark.slow
 #: A safety net for starting a rank (a spawned interpreter or an actor importing torch), not a measure.
 LAUNCH_TIMEOUT_S = 120.0
 #: Every state a job passes through on its way to COMPLETE, in order.
-TRAIL = [(None, "RUNNING"), ("RUNNING", "CHECKPOINT"), ("CHECKPOINT", "UPDATING_WEIGHTS"),
+TRAIL = [(None, "RUNNING"), ("RUNNING", "CHECKPOINT"), ("CHECKPOINT", "CHECKPOINT"), ("CHECKPOINT", "UPDATING_WEIGHTS"),
          ("UPDATING_WEIGHTS", "READY_TO_COMMIT"), ("READY_TO_COMMIT", "HEAD_COMMITTED"),
          ("HEAD_COMMITTED", "COMPLETE")]
 

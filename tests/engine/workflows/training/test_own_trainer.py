@@ -26,7 +26,7 @@ from tests.workers.inference.engines import EngineProc
 from workers.trainer.steps import read_step_record
 
 OWN = "tests.support.own_trainer:SgdTrainer"
-TRAIL = [(None, "RUNNING"), ("RUNNING", "CHECKPOINT"), ("CHECKPOINT", "UPDATING_WEIGHTS"),
+TRAIL = [(None, "RUNNING"), ("RUNNING", "CHECKPOINT"), ("CHECKPOINT", "CHECKPOINT"), ("CHECKPOINT", "UPDATING_WEIGHTS"),
          ("UPDATING_WEIGHTS", "READY_TO_COMMIT"), ("READY_TO_COMMIT", "HEAD_COMMITTED"),
          ("HEAD_COMMITTED", "COMPLETE")]
 

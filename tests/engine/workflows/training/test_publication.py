@@ -84,7 +84,9 @@ async def test_a_trained_job_is_published_behind_the_commit_gate(orch: Orchestra
     async with orch.journal.read() as conn:
         trail = [(r.from_state, r.to_state) for r in (await conn.execute(
             sa.select(e.c.from_state, e.c.to_state).where(e.c.entity_id == first).order_by(e.c.seq))).all()]
-    assert trail == [(None, "RUNNING"), ("RUNNING", "CHECKPOINT"), ("CHECKPOINT", "UPDATING_WEIGHTS"),
+    # The pause intent is its own commit, before any engine is paused.
+    assert trail == [(None, "RUNNING"), ("RUNNING", "CHECKPOINT"), ("CHECKPOINT", "CHECKPOINT"),
+                     ("CHECKPOINT", "UPDATING_WEIGHTS"),
                      ("UPDATING_WEIGHTS", "READY_TO_COMMIT"), ("READY_TO_COMMIT", "HEAD_COMMITTED"),
                      ("HEAD_COMMITTED", "COMPLETE")]
     # The next job publishes the next version of the same incarnation.

@@ -10,7 +10,9 @@ Regression tests for the review of issue 6's publication:
 - a rejection the controller cannot finish is recorded in the journal (REJECTING had no self-edge);
 - a rejected step does not stay in the trainer, so the next job does not carry it;
 - HEAD_COMMITTED resumes generation only once every engine serves the committed version;
-- a failed pause at CHECKPOINT is recorded and leaves the job CHECKPOINT, retried from there.
+- a failed pause at CHECKPOINT is recorded and leaves the job CHECKPOINT, retried from there;
+- the pause intent is durable before the first pause call, so after a partial pause failure the
+  engine gate fences a replacement engine (pauses it) before the publisher's retry reaches it.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from engine.runtime.clock import SystemClock
 from engine.runtime.committer import GroupCommitter
 from engine.workflows.training.publication import PublicationSettings
 from engine.workflows.training.controller import TrainingController, TrainingSettings
+from engine.workflows.training.engine_gate import EngineGateController, GateSettings, sync_engines
 from engine.runtime.reconciler import Context
 from engine.workflows.training import submit_job
 from journal import Fence, Journal, audit, lease, models
@@ -189,5 +192,70 @@ async def test_a_failed_pause_leaves_the_job_checkpoint_and_retryable(rig: Rig) 
     assert row["target_load_id"] is None and await rig.versions() == {}
     assert await rig.served() == ["initial", "initial"]
     row = await rig.drive(job_id, "COMPLETE")
+    assert await rig.served() == [row["runtime_load_id"]] * 2 and await rig.paused() == [False, False]
+    assert await audit.verify(rig.journal) == []
+
+
+async def test_a_partial_pause_failure_fences_a_replacement_engine_before_the_retry(
+        rig: Rig, initial_dir: Path, tmp_path: Path) -> None:
+    await rig.fail_next(1, "/pause_generation")
+    job_id = await rig.submit(1)
+    await rig.drive(job_id, "CHECKPOINT")
+    await rig.controller.reconcile(rig.ctx, job_id)
+    row = await rig.row(job_id)
+    assert row["state"] == "CHECKPOINT" and "pausing the engines failed" in row["detail"], row
+    assert row["pause_intent_at"] is not None and await rig.paused() == [True, False]
+    # The intent was written before the pause calls (its event comes before the failure's).
+    e = models.events
+    async with rig.journal.read() as conn:
+        said = [r.reason for r in (await conn.execute(sa.select(e.c.reason).where(
+            e.c.entity_id == job_id, e.c.to_state == "CHECKPOINT").order_by(e.c.seq))).all()]
+    assert said[-2:] == ["pause intent recorded: pausing every engine", row["detail"][:200]], said
+    # Engine 1 dies and a replacement starts on its address, generating on its start-up weights.
+    port = rig.procs[1].url.rsplit(":", 1)[1]
+    rig.procs[1].kill()
+    rig.procs[1] = EngineProc(["--port", port, "--model-dir", str(initial_dir), "--enable-test-faults"],
+                              tmp_path / "engine-1b.log").start()
+    assert await rig.paused() == [True, False]
+    # The engine gate's look (before the publisher's retry) pauses it: the barrier holds.
+    gate = EngineGateController({f"dep/e{i}": engine for i, engine in enumerate(rig.engines)},
+                                GateSettings("dep", retry_after_s=0), rig.controller.publisher.lock)
+    async with rig.journal.write() as tx:
+        await sync_engines(tx, "dep", {f"e{i}": p.url for i, p in enumerate(rig.procs)})
+    for i in range(2):
+        await gate.reconcile(rig.ctx, f"dep/e{i}")
+    assert await rig.paused() == [True, True]
+    t = models.engines
+    async with rig.journal.read() as conn:
+        engines = {r.id: r for r in (await conn.execute(sa.select(t))).all()}
+    assert {i: (r.state, r.paused) for i, r in engines.items()} == {"dep/e0": ("paused", True),
+                                                                    "dep/e1": ("paused", True)}
+    assert "pause intent recorded" in engines["dep/e1"].detail, engines["dep/e1"].detail
+    # The retry then gets past the barrier and publishes on both; generation continues on the head.
+    row = await rig.drive(job_id, "COMPLETE")
+    assert await rig.served() == [row["runtime_load_id"]] * 2 and await rig.paused() == [False, False]
+    assert await audit.verify(rig.journal) == []
+
+
+async def test_a_replacement_off_the_head_is_paused_while_the_publisher_acts(rig: Rig, initial_dir: Path,
+                                                                            tmp_path: Path) -> None:
+    """HEAD_COMMITTED: the publisher resumes the engines on the head; a replacement started meanwhile on
+    its start-up weights is paused by the gate's look rather than left generating off the head."""
+    job_id = await rig.submit(1)
+    head = (await rig.drive(job_id, "COMPLETE"))["runtime_load_id"]
+    job2 = await rig.submit(2)
+    await rig.drive(job2, "HEAD_COMMITTED")
+    port = rig.procs[1].url.rsplit(":", 1)[1]
+    rig.procs[1].kill()
+    rig.procs[1] = EngineProc(["--port", port, "--model-dir", str(initial_dir), "--enable-test-faults"],
+                              tmp_path / "engine-1b.log").start()
+    gate = EngineGateController({f"dep/e{i}": engine for i, engine in enumerate(rig.engines)},
+                                GateSettings("dep", retry_after_s=0), rig.controller.publisher.lock)
+    async with rig.journal.write() as tx:  # an election: every row unverified until looked at
+        await sync_engines(tx, "dep", {f"e{i}": p.url for i, p in enumerate(rig.procs)})
+    await gate.reconcile(rig.ctx, "dep/e1")
+    assert (await rig.paused())[1] is True and (await rig.served())[1] == "initial"
+    assert head != (await rig.row(job2))["runtime_load_id"]
+    row = await rig.drive(job2, "COMPLETE")
     assert await rig.served() == [row["runtime_load_id"]] * 2 and await rig.paused() == [False, False]
     assert await audit.verify(rig.journal) == []
