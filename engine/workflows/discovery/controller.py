@@ -11,6 +11,9 @@ instance, phase and health:
 - ``unreachable``: refused, reset, timed out or 5xx; probed again with
   exponential backoff (``interval_s`` doubling up to ``max_backoff_s``).
 
+Every participant is also probed at once when a ``services`` row becomes ``ready`` (a service of the
+deployment's stack started or was rebuilt: the participant it runs may be a new process).
+
 A probe that changes nothing writes nothing: ``last_probe_at`` is the time of
 the last probe that changed the row. Probes are reads, so they are made
 directly (outside any transaction) rather than through the outbox.
@@ -19,7 +22,7 @@ directly (outside any transaction) rather than through the outbox.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +30,7 @@ from pydantic import ValidationError
 
 import sqlalchemy as sa
 
-from journal import Transition, WriteTx, models
+from journal import Committed, Transition, WriteTx, models
 from journal.writes import Row
 from workers.protocol import KINDS, STATUS_PATH, StatusReply
 
@@ -90,9 +93,26 @@ class DiscoveryController(BaseController):
         # Operator requests for an immediate probe (POST /v1/participants/probe). Not entity
         # state: losing them in a crash only means waiting for the next scheduled probe.
         self._forced: set[str] = set()
+        # Every participant this process has looked at (to probe them all when a service is ready).
+        self._known: set[str] = set()
+        self._enqueue: Callable[[str, str], None] | None = None
 
     def request_probe(self, name: str) -> None:
         self._forced.add(name)
+
+    def attach(self, enqueue: Callable[[str, str], None]) -> None:
+        self._enqueue = enqueue
+
+    def on_commit(self, committed: Sequence[Committed]) -> None:
+        """A service of the stack became ready (started, or rebuilt after a failure): every known
+        participant is probed now. A rebuilt participant is a new process on the same address, and
+        its row may say ``unreachable`` with a backoff of minutes (a probe made while it was down);
+        work waits for ``healthy``, so waiting out that backoff would cost the rebuild minutes."""
+        if self._enqueue is None or not any(c.kind == "services" and c.to_state == "ready" for c in committed):
+            return
+        for name in sorted(self._known):
+            self._forced.add(name)
+            self._enqueue(KIND, name)
 
     def next_probe_in(self, row: Row) -> float:
         """Seconds until the row is due for its next probe."""
@@ -118,7 +138,9 @@ class DiscoveryController(BaseController):
     async def reconcile(self, ctx: Context, entity_id: str) -> Result:
         row = await ctx.get(KIND, entity_id)
         if row is None or row.state == "removed":
+            self._known.discard(entity_id)
             return Result()
+        self._known.add(entity_id)
         last = row["last_probe_at"]
         wait = self.next_probe_in(row)
         forced = entity_id in self._forced

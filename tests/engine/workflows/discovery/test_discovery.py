@@ -134,3 +134,40 @@ def test_classify_covers_each_failure() -> None:
     assert classify(error=err404).state == "incompatible"
     assert classify(error=RemoteError("http://x", "GET", "/s", 503, None, "")).state == "unreachable"
     assert classify(error=TransportError("http://x", "GET", "/s", "reset", sent=True)).state == "unreachable"
+
+
+async def test_a_service_that_becomes_ready_has_every_participant_probed_at_once(
+        journal_url: str, servers: dict[str, StatusServer]) -> None:
+    """A participant seen down is probed again only after ``interval_s`` (60 s here, doubling); a
+    ``services`` row moving to ``ready`` (the stack started or rebuilt a service) has it probed at once."""
+    env = servers["env"]
+    orch = Orchestrator(settings(journal_url, {"env": env.url}))
+    await orch.start()
+    try:
+        assert (await settle(orch, {"env"}))["env"]["state"] == "healthy"
+        env.mode = "500"  # the participant's process died: a probe made now finds it down
+        orch.handle("discovery").request_probe("env")
+        orch.reconciler.enqueue("participants", "env")
+        await until_state(orch, "env", "unreachable")
+        env.mode = "ok"  # its service was started again ...
+        calls = env.calls
+        await asyncio.sleep(0.5)
+        assert env.calls == calls  # ... and nothing probes it before its backoff (a minute) ends
+        async with orch.journal.write() as tx:
+            await tx.create("services", "env-service", reason="declared by the configuration",
+                            values={"executor": "uni", "desired": "up"})
+            await tx.transition("services", "env-service", from_state="pending", version=1, to_state="starting",
+                                reason="launched")
+            await tx.transition("services", "env-service", from_state="starting", version=2, to_state="ready",
+                                reason="its readiness check passed")
+        await until_state(orch, "env", "healthy")
+        assert env.calls == calls + 1
+    finally:
+        await orch.stop()
+
+
+async def until_state(orch: Orchestrator, name: str, state: str, timeout: float = 10) -> None:
+    end = time.monotonic() + timeout
+    while (await rows(orch))[name]["state"] != state:
+        assert time.monotonic() < end, f"{name} is not {state}: {(await rows(orch))[name]}"
+        await asyncio.sleep(0.02)
