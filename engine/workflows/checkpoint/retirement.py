@@ -5,7 +5,7 @@ A ``retirements`` row is one retire or forget request (:func:`request_retirement
 - ``queued`` while a checkpoint or a restore is open (participants refuse retire
   and forget then, ``invalid_phase``) or while an earlier retirement is not
   finished (requests run one at a time, oldest first); looked at again every
-  ``poll_s``. A forget naming a rollout whose row is still live (:data:`LIVE_ROLLOUT`:
+  ``poll_s``, and the oldest waiting one at once when a retirement, a checkpoint or a restore ends. A forget naming a rollout whose row is still live (:data:`LIVE_ROLLOUT`:
   ``pending``, ``dispatched``, ``restart``, ``retiring``, ``ambiguous``, ``errored``) is
   refused here: ``failed``, the detail naming them, nothing sent. A retire moves the ``dispatched``/``restart`` rollout rows it
   covers to ``retiring`` in the same write as ``queued -> running``.
@@ -35,15 +35,15 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import sqlalchemy as sa
 from pydantic import ValidationError
 
-from journal import Transition, WriteTx, models, outbox
-from journal.machines import RETIREMENTS
+from journal import Committed, Transition, WriteTx, models, outbox
+from journal.machines import CHECKPOINTS, RESTORES, RETIREMENTS
 from journal.writes import Row, to_row
 from workers.protocol import EpisodeId
 
@@ -127,10 +127,32 @@ class RetirementController(BaseController):
 
     def __init__(self, settings: RetirementSettings | None = None) -> None:
         self.settings = settings or RetirementSettings()
+        # Rows found queued behind an earlier one or an open workflow, by (created_at, id): when a
+        # retirement, a checkpoint or a restore ends, the oldest is looked at at once rather than
+        # at its next poll (a backlog of reruns otherwise ran one per poll, ~1.8 s each, though each
+        # took a quarter of a second). In memory only: a poll still finds every one.
+        self._waiting: dict[str, tuple[Any, str]] = {}
+        self._enqueue: Callable[[str, str], None] | None = None
+
+    def attach(self, enqueue: Callable[[str, str], None]) -> None:
+        self._enqueue = enqueue
+
+    def on_commit(self, committed: Sequence[Committed]) -> None:
+        ended = False
+        for c in committed:
+            if c.kind == KIND and c.from_state == "queued" and c.to_state != "queued":
+                self._waiting.pop(c.entity_id, None)
+            if ((c.kind == KIND and c.to_state in RETIREMENTS.terminal)
+                    or (c.kind == "checkpoints" and c.to_state in CHECKPOINTS.terminal)
+                    or (c.kind == "restores" and c.to_state in RESTORES.terminal)):
+                ended = True
+        if ended and self._waiting and self._enqueue is not None:
+            self._enqueue(KIND, min(self._waiting.values())[1])
 
     async def reconcile(self, ctx: Context, entity_id: str) -> Result:
         row = await ctx.get(KIND, entity_id)
         if row is None or row.state in RETIREMENTS.terminal:
+            self._waiting.pop(entity_id, None)
             return Result()
         if row.state == "queued":
             return await self._queued(ctx, row)
@@ -171,6 +193,7 @@ class RetirementController(BaseController):
         blocker = await self._blocker(ctx, row)
         if blocker is not None:
             log.debug("retirement %s stays queued: %s", row.id, blocker)
+            self._waiting[row.id] = (row["created_at"], row.id)
             return Result(requeue_after=self.settings.poll_s)
         rollouts = await self._rollouts(ctx, row["rollout_ids"])
         if row["op"] == "forget":
