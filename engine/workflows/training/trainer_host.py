@@ -12,15 +12,6 @@ initial weights) before trusting anything it says (engine/workflows/training/con
 
 Nothing is retried here: the call that met the failure raises it, so a ``train`` that may have
 run is never sent twice by this class.
-
-A trainer that keeps failing is not started again for ever: each build after a failure (the
-executor's ``failure`` set: its process died, its actor was lost) is allowed by a
-:class:`~engine.runtime.restarts.RestartPolicy` (``training.recovery``: by default at most 3 within
-5 minutes, after 1, 2 and 4 s, on the orchestrator's clock). Until its delay has passed ``ensure``
-raises :class:`TrainerUnavailable` saying when; past the policy the host gives up (:attr:`gave_up`
-says why, ``/readyz`` answers 503 with it) and every ``ensure`` raises, until the orchestrator is
-restarted. A release (a lost lease, a trainer that stopped answering or holds unaccounted steps)
-is this orchestrator's decision, not a failure, and is not counted.
 """
 
 from __future__ import annotations
@@ -32,9 +23,6 @@ from typing import Any
 
 from workers.executor import Executor
 
-from engine.runtime.clock import Clock, SystemClock
-from engine.runtime.restarts import RestartPolicy
-
 log = logging.getLogger("tidelog.training")
 
 
@@ -45,63 +33,29 @@ class TrainerUnavailable(RuntimeError):
 class TrainerHost:
     """``rpc`` like an executor's, over the current executor built by ``factory`` (see the module docs)."""
 
-    def __init__(self, factory: Callable[[], Executor], policy: RestartPolicy | None = None,
-                 clock: Clock | None = None) -> None:
+    def __init__(self, factory: Callable[[], Executor]) -> None:
         self._factory = factory
         self._lock = threading.Lock()
         self._executor: Executor | None = None
         self._closed = False
         #: How many executors were built.
         self.generation = 0
-        self._policy = policy
-        self._clock: Clock = clock or SystemClock()
-        # The failure the next build restarts from (None: nothing failed since the last build), and
-        # when the policy lets that build happen (the clock's monotonic time).
-        self._failed: str | None = None
-        self._due: float | None = None
-        #: Why the host stopped starting trainers (past ``training.recovery``), or ``None``.
-        self.gave_up: str | None = None
 
     def ensure(self) -> bool:
-        """Have a live trainer: build one if there is none or it failed. True when a new one was built.
-
-        Raises :class:`TrainerUnavailable` when the host is shut down, while a restart after a failure
-        waits for its delay, and once the restart policy was exceeded."""
+        """Have a live trainer: build one if there is none or it failed. True when a new one was built."""
         with self._lock:
             if self._closed:
                 raise TrainerUnavailable("the trainer host is shut down")
-            if self.gave_up is not None:
-                raise TrainerUnavailable(self.gave_up)
             ex = self._executor
             if ex is not None and ex.failure is None:
                 return False
             if ex is not None:
-                self._failed = str(ex.failure)
-                self._retire(ex, self._failed)
-            if self._failed is not None and self._policy is not None:
-                self._wait_for_policy(self._policy, self._failed)
-            self._failed, self._due = None, None
+                self._retire(ex, str(ex.failure))
             self._executor = self._factory()
             self.generation += 1
             log.info("trainer executor started (generation %d, backend %s)", self.generation,
                      self._executor.backend)
             return True
-
-    def _wait_for_policy(self, policy: RestartPolicy, failed: str) -> None:
-        """Return when the policy lets the trainer start again after ``failed``; else raise saying why."""
-        now = self._clock.monotonic()
-        if self._due is None:
-            delay = policy.allow(now)
-            if delay is None:
-                self.gave_up = (f"the trainer failed ({failed}) and {policy.refusal()}: it is not started "
-                                f"again; fix the cause, then restart the orchestrator")[:500]
-                log.error("%s", self.gave_up)
-                raise TrainerUnavailable(self.gave_up)
-            self._due = now + delay
-        if now < self._due:
-            raise TrainerUnavailable(
-                f"the trainer failed ({failed}); restart {len(policy.history)} of at most {policy.max_restarts} "
-                f"within {policy.window_s:g} s in {self._due - now:.1f} s"[:500])
 
     def _retire(self, ex: Executor, why: str) -> None:
         log.warning("trainer executor stopped (%s); the next sync point starts a fresh one", why)

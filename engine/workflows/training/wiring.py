@@ -1,7 +1,6 @@
 """Build the training half of an orchestrator from the ``training`` section of the configuration.
 
-``tidelog serve`` with ``training.enabled``: a :class:`TrainerHost` (restarted within
-``training.recovery``) over an executor of the
+``tidelog serve`` with ``training.enabled``: a :class:`TrainerHost` over an executor of the
 trainer's ranks (the class ``training.trainer.class`` names, built with its keyword arguments, on the
 backend and options of ``training.executor``), the deployment's engines (SGLang's HTTP admin API; the
 reference engine speaks it too), the training controller with commit-gated publication, and the
@@ -21,8 +20,6 @@ from workers.inference.engine import InferenceEngine
 from workers.inference.sglang import SGLangConfig, SGLangEngine
 
 from engine.config import Settings
-from engine.runtime.clock import Clock
-from engine.runtime.restarts import RestartPolicy
 from engine.workflows.training.batching import BatchController, BatchingSettings
 from engine.workflows.training.commit_gate import CommitGateSettings, Evaluator
 from engine.workflows.training.engine_gate import EngineGateController, GateSettings, engine_id
@@ -69,12 +66,10 @@ def executor_config(settings: Settings) -> ExecutorConfig:
                           gpus_per_worker=t.executor.gpus_per_worker, launch_timeout_s=t.executor.launch_timeout_s)
 
 
-def build_training(settings: Settings, clock: Clock | None = None) -> TrainingParts:
+def build_training(settings: Settings) -> TrainingParts:
     t = settings.training
     config = executor_config(settings)
-    r = t.recovery
-    host = TrainerHost(lambda: Executor.create(config),
-                       RestartPolicy(r.max_restarts, r.window_s, tuple(r.delays_s), setting="training.recovery"), clock)
+    host = TrainerHost(lambda: Executor.create(config))
     engines: dict[str, InferenceEngine] = {
         engine_id(t.deployment, e.name): SGLangEngine(SGLangConfig(url=e.url, timeout=t.engine_timeout_s,
                                                                    weight_update_timeout=t.weight_update_timeout_s,

@@ -22,10 +22,7 @@ from engine.workflows.training.engine_gate import EngineGateController, GateSett
 from engine.runtime.service import Orchestrator
 from engine.workflows.training import reject_job, resolve_job, submit_job
 from engine.workflows.training.trainer_host import TrainerHost, TrainerUnavailable
-from engine.runtime.clock import VirtualClock
-from engine.runtime.restarts import RestartPolicy
 from journal import Journal, models
-from tests.support.pid_worker import PidWorker
 from tests.support.training import job_row, payload, submit, until_state, versions
 from tests.workers.inference.engines import EngineProc
 from workers.executor import Executor, ExecutorConfig, WorkerSpec
@@ -306,68 +303,6 @@ async def test_an_uncommitted_candidate_keeps_every_engine_paused(journal_url: s
 def _trainer_executor(state_dir: Path) -> Executor:
     return Executor.create(ExecutorConfig(backend="mp", workers=(
         WorkerSpec(Trainer, kwargs={"seed": 0, "state_dir": str(state_dir)}),)))
-
-
-def _pid_executor() -> Executor:
-    return Executor.create(ExecutorConfig(backend="mp", workers=(WorkerSpec(PidWorker),)))
-
-
-def _kill(host: TrainerHost) -> int:
-    """SIGKILL the host's trainer process and wait until a call meets the failure; returns its pid."""
-    pid = int(host.rpc(0, "health")["pid"])
-    os.kill(pid, signal.SIGKILL)
-    with pytest.raises(Exception):  # noqa: B017 - whichever failure the call meets first
-        for _ in range(200):
-            host.rpc(0, "health", timeout=5)
-            time.sleep(0.05)
-    return pid
-
-
-async def test_a_trainer_that_keeps_failing_is_restarted_within_the_policy_then_not_again() -> None:
-    clock = VirtualClock()
-    policy = RestartPolicy(3, 300.0, (1.0, 2.0, 4.0), setting="training.recovery")
-    host = TrainerHost(_pid_executor, policy, clock)
-    try:
-        assert host.ensure() is True  # the first start is no restart
-        for n, delay in enumerate((1.0, 2.0, 4.0), start=1):
-            _kill(host)
-            # The n-th restart waits its delay on the orchestrator's clock; asking sooner says when.
-            with pytest.raises(TrainerUnavailable, match=rf"restart {n} of at most 3 within 300 s in {delay:.1f} s"):
-                host.ensure()
-            await clock.advance(delay - 0.5)
-            with pytest.raises(TrainerUnavailable, match=r"in 0\.5 s"):
-                host.ensure()
-            assert host.generation == n
-            await clock.advance(0.5)
-            assert host.ensure() is True and host.generation == n + 1
-        # A release is this orchestrator's decision (a lost lease, say), not a failure: not counted.
-        host.release("lease lost")
-        assert host.ensure() is True and host.generation == 5
-        # The fourth failure within five minutes: not started again, and every later ask says why.
-        _kill(host)
-        with pytest.raises(TrainerUnavailable, match=r"exceeded 3 restarts within 300 s \(training.recovery\)"):
-            host.ensure()
-        assert host.gave_up is not None and "it is not started again" in host.gave_up
-        await clock.advance(3600)
-        with pytest.raises(TrainerUnavailable, match="it is not started again"):
-            host.ensure()
-        assert host.generation == 5
-    finally:
-        host.shutdown()
-
-
-async def test_the_trainer_restart_window_slides_on_the_clock() -> None:
-    clock = VirtualClock()
-    host = TrainerHost(_pid_executor, RestartPolicy(1, 300.0, (0.0,), setting="training.recovery"), clock)
-    try:
-        assert host.ensure() is True
-        _kill(host)
-        assert host.ensure() is True  # the one restart the window allows, at once (delay 0)
-        await clock.advance(300.5)  # that restart has left the window
-        _kill(host)
-        assert host.ensure() is True and host.generation == 3 and host.gave_up is None
-    finally:
-        host.shutdown()
 
 
 def test_the_host_starts_a_fresh_trainer_only_when_asked(tmp_path: Path) -> None:
