@@ -158,21 +158,15 @@ class EngineGateController(BaseController):
             return retry
         job, head = await self._publication(ctx)
         if job is not None and job.state in UNCOMMITTED:
-            await engine.pause_generation(self.settings.pause_mode)
-            self._resumed.discard(row.id)
-            await self._record(ctx, row, "paused", {"health": "ok", "paused": True, "serving_version": version,
-                                                    "detail": f"job {job.id[:12]} {job.state}: held paused until "
-                                                              f"its candidate is committed or rejected"})
+            await self._hold_paused(ctx, row, engine, version, f"job {job.id[:12]} {job.state}: held paused until "
+                                                               f"its candidate is committed or rejected")
             return Result()
         if job is not None and job.state == "CHECKPOINT" and job["pause_intent_at"] is not None:
             # The publisher began pausing every engine (its intent is durable) and has not yet got
             # past the barrier: an engine it has not paused, or a replacement started meanwhile, is
             # fenced now rather than left generating until the publisher's retry reaches it.
-            await engine.pause_generation(self.settings.pause_mode)
-            self._resumed.discard(row.id)
-            await self._record(ctx, row, "paused", {"health": "ok", "paused": True, "serving_version": version,
-                                                    "detail": f"job {job.id[:12]} is pausing every engine "
-                                                              f"(pause intent recorded): held paused"})
+            await self._hold_paused(ctx, row, engine, version, f"job {job.id[:12]} is pausing every engine "
+                                                               f"(pause intent recorded): held paused")
             return Result()
         if job is not None and job.state in PUBLISHER_ACTS:
             # The publisher's next step pauses, resumes or restores every engine itself.
@@ -180,11 +174,9 @@ class EngineGateController(BaseController):
             if row.state in NOT_YET_KNOWN and head is not None and version != head.id:
                 # A replacement (or an engine not yet looked at) serving something other than the
                 # committed head must not generate until the publisher puts it on a version.
-                await engine.pause_generation(self.settings.pause_mode)
-                await self._record(ctx, row, "paused", {
-                    "health": "ok", "paused": True, "serving_version": version,
-                    "detail": f"job {job.id[:12]} {job.state}: serves {version!r}, not the committed head "
-                              f"{head.id}; held paused for the publisher"})
+                await self._hold_paused(ctx, row, engine, version,
+                                        f"job {job.id[:12]} {job.state}: serves {version!r}, not the committed "
+                                        f"head {head.id}; held paused for the publisher")
                 return retry
             if row.state in NOT_YET_KNOWN:
                 # Nothing verified to say of it yet (the publisher is about to change what it serves
@@ -224,6 +216,14 @@ class EngineGateController(BaseController):
         await self._record(ctx, row, "serving", {"health": "ok", "paused": False, "serving_version": version,
                                                  "detail": None})
         return Result()
+
+    async def _hold_paused(self, ctx: Context, row: Row, engine: InferenceEngine, version: str | None,
+                           detail: str) -> None:
+        """Pause the engine and record it ``paused`` with ``detail`` (not resumed by this process)."""
+        await engine.pause_generation(self.settings.pause_mode)
+        self._resumed.discard(row.id)
+        await self._record(ctx, row, "paused", {"health": "ok", "paused": True, "serving_version": version,
+                                                "detail": detail})
 
     async def _publication(self, ctx: Context) -> tuple[Row | None, Row | None]:
         """The deployment's job in a publication state (if any) and its committed head (if any)."""

@@ -45,21 +45,11 @@ def http_json(url: str) -> Any:
         return json.loads(resp.read())
 
 
-async def wait_for(check: Any, what: str, timeout: float = 120.0) -> Any:
-    end = time.monotonic() + timeout
-    while True:
-        value = await check()
-        if value:
-            return value
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
-
-
-async def test_a_rebuilt_engine_serves_the_committed_head_before_readiness_returns(journal_url: str,
-                                                                                  tmp_path: Path) -> None:
+def two_engine_stack(journal_url: str, tmp_path: Path) -> tuple[dict[str, int], Settings]:
+    """Engines e0 and e1 as services of the stack, on the initial weights, with training (uni)."""
     initial = tmp_path / "initial"
     save_weights(Policy(seed=0), initial, "initial")
-    ports = {"e0": service_port(), "e1": service_port()}
+    ports: dict[str, int] = {"e0": service_port(), "e1": service_port()}
     settings = Settings.model_validate({
         "journal": {"url": journal_url},
         "orchestrator": {"lease_ttl_s": 5, "lease_renew_s": 1, "shutdown_grace_s": 1},
@@ -72,6 +62,22 @@ async def test_a_rebuilt_engine_serves_the_committed_head_before_readiness_retur
                      "engines": [{"name": n, "url": f"http://127.0.0.1:{p}"} for n, p in ports.items()]},
         "deployment": {"run_dir": str(tmp_path / "run"), "recovery": {"delays_s": [0.2]},
                        "services": {n: engine_service(p, initial, n) for n, p in ports.items()}}})
+    return ports, settings
+
+
+async def wait_for(check: Any, what: str, timeout: float = 120.0) -> Any:
+    end = time.monotonic() + timeout
+    while True:
+        value = await check()
+        if value:
+            return value
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+async def test_a_rebuilt_engine_serves_the_committed_head_before_readiness_returns(journal_url: str,
+                                                                                  tmp_path: Path) -> None:
+    ports, settings = two_engine_stack(journal_url, tmp_path)
     orch = Orchestrator(settings, unbuilt=["discovery"])
     await orch.start()
     try:
@@ -111,21 +117,7 @@ async def test_an_engine_killed_during_a_publication_is_rebuilt_and_the_job_publ
     job still reaches COMPLETE, both new engines serve its version, and neither continued generation
     on anything but a committed head, nor before it was paused and given that head."""
     phase = "/pause_generation"
-    initial = tmp_path / "initial"
-    save_weights(Policy(seed=0), initial, "initial")
-    ports = {"e0": service_port(), "e1": service_port()}
-    settings = Settings.model_validate({
-        "journal": {"url": journal_url},
-        "orchestrator": {"lease_ttl_s": 5, "lease_renew_s": 1, "shutdown_grace_s": 1},
-        "reconciler": {"resync_interval_s": 30},
-        "logging": {"level": "WARNING"},
-        "training": {"enabled": True, "executor": "uni", "deployment": "dep",
-                     "trainer": {"state_dir": str(tmp_path / "trainer")},
-                     "checkpoint_dir": str(tmp_path / "checkpoints"), "weights_dir": str(tmp_path / "weights"),
-                     "initial_weights": str(initial), "retry_after_s": 0.2, "publish_retry_after_s": 0.2,
-                     "engines": [{"name": n, "url": f"http://127.0.0.1:{p}"} for n, p in ports.items()]},
-        "deployment": {"run_dir": str(tmp_path / "run"), "recovery": {"delays_s": [0.2]},
-                       "services": {n: engine_service(p, initial, n) for n, p in ports.items()}}})
+    ports, settings = two_engine_stack(journal_url, tmp_path)
     orch = Orchestrator(settings, unbuilt=["discovery"])
     await orch.start()
     try:

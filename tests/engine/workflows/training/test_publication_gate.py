@@ -96,6 +96,19 @@ class Rig:
                                  json={"path": path, "mode": "error"}) as resp:
                 assert resp.status == 200
 
+    def replace_engine(self, index: int, initial: Path, log: Path) -> None:
+        """SIGKILL engine ``index`` and start a fresh one on its address, on the initial weights (unpaused)."""
+        port = self.procs[index].url.rsplit(":", 1)[1]
+        self.procs[index].kill()
+        self.procs[index] = EngineProc(["--port", port, "--model-dir", str(initial), "--enable-test-faults"],
+                                       log).start()
+
+    def gate(self) -> EngineGateController:
+        """The engine gate over the rig's engines, sharing the publisher's lock as the orchestrator's does."""
+        assert self.controller.publisher is not None
+        return EngineGateController({f"dep/e{i}": engine for i, engine in enumerate(self.engines)},
+                                    GateSettings("dep", retry_after_s=0), self.controller.publisher.lock)
+
     def trainer(self, method: str, *args: Any) -> Any:
         return self.executor.rpc(0, method, args)
 
@@ -212,14 +225,10 @@ async def test_a_partial_pause_failure_fences_a_replacement_engine_before_the_re
             e.c.entity_id == job_id, e.c.to_state == "CHECKPOINT").order_by(e.c.seq))).all()]
     assert said[-2:] == ["pause intent recorded: pausing every engine", row["detail"][:200]], said
     # Engine 1 dies and a replacement starts on its address, generating on its start-up weights.
-    port = rig.procs[1].url.rsplit(":", 1)[1]
-    rig.procs[1].kill()
-    rig.procs[1] = EngineProc(["--port", port, "--model-dir", str(initial_dir), "--enable-test-faults"],
-                              tmp_path / "engine-1b.log").start()
+    rig.replace_engine(1, initial_dir, tmp_path / "engine-1b.log")
     assert await rig.paused() == [True, False]
     # The engine gate's look (before the publisher's retry) pauses it: the barrier holds.
-    gate = EngineGateController({f"dep/e{i}": engine for i, engine in enumerate(rig.engines)},
-                                GateSettings("dep", retry_after_s=0), rig.controller.publisher.lock)
+    gate = rig.gate()
     async with rig.journal.write() as tx:
         await sync_engines(tx, "dep", {f"e{i}": p.url for i, p in enumerate(rig.procs)})
     for i in range(2):
@@ -245,12 +254,8 @@ async def test_a_replacement_off_the_head_is_paused_while_the_publisher_acts(rig
     head = (await rig.drive(job_id, "COMPLETE"))["runtime_load_id"]
     job2 = await rig.submit(2)
     await rig.drive(job2, "HEAD_COMMITTED")
-    port = rig.procs[1].url.rsplit(":", 1)[1]
-    rig.procs[1].kill()
-    rig.procs[1] = EngineProc(["--port", port, "--model-dir", str(initial_dir), "--enable-test-faults"],
-                              tmp_path / "engine-1b.log").start()
-    gate = EngineGateController({f"dep/e{i}": engine for i, engine in enumerate(rig.engines)},
-                                GateSettings("dep", retry_after_s=0), rig.controller.publisher.lock)
+    rig.replace_engine(1, initial_dir, tmp_path / "engine-1b.log")
+    gate = rig.gate()
     async with rig.journal.write() as tx:  # an election: every row unverified until looked at
         await sync_engines(tx, "dep", {f"e{i}": p.url for i, p in enumerate(rig.procs)})
     await gate.reconcile(rig.ctx, "dep/e1")
