@@ -203,6 +203,7 @@ class Stamps:
     def __init__(self) -> None:
         self.at: dict[str, dict[str, float]] = {}
         self.retries: Counter[str] = Counter()
+        self.intents: set[str] = set()
         self.waiting: dict[tuple[str, str], asyncio.Event] = {}
 
     def __call__(self, committed: Sequence[Committed]) -> None:
@@ -212,6 +213,10 @@ class Stamps:
                 continue
             self.at.setdefault(c.entity_id, {}).setdefault(c.to_state, now)
             if c.from_state == c.to_state:
+                if c.to_state == "CHECKPOINT" and c.entity_id not in self.intents:
+                    # A publication's first CHECKPOINT self-edge records its pause intent: a step, not a retry.
+                    self.intents.add(c.entity_id)
+                    continue
                 self.retries[c.to_state] += 1
             for (job, state), event in self.waiting.items():
                 if job == c.entity_id and (c.to_state == state or c.to_state in self.BAD):
