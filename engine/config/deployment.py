@@ -130,8 +130,10 @@ class ServiceModel(_Strict):
 
 
 class RecoverySettingsModel(_Strict):
-    """Managed recovery: a service that fails once the stack was ready stops the stack, which is
-    rebuilt from the configuration after a delay; at most ``max_restarts`` within ``window_s``."""
+    """Managed recovery's bounds: at most ``max_restarts`` restarts within ``window_s``, each after its
+    delay. ``deployment.recovery``: a service that fails once the stack was ready stops the stack,
+    which is rebuilt from the configuration; ``training.recovery``: a trainer that failed is started
+    again (engine/workflows/training/trainer_host.py)."""
 
     #: 0: no rebuild (fail-stop).
     max_restarts: int = Field(default=3, ge=0, le=100)

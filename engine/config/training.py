@@ -1,5 +1,5 @@
 """The ``training`` section's models (docs/training.md): the trainer by import path, its executor, the
-commit gate's evaluator, batching, and the engines publication drives.
+commit gate's evaluator, batching, the trainer's restart policy, and the engines publication drives.
 A class or callable named by import path is found, not imported (a configuration naming the
 reference trainer does not import torch)."""
 
@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from engine.config._common import ParticipantEntry, _Strict, _unique_names
+from engine.config.deployment import RecoverySettingsModel
 
 class EngineEntry(ParticipantEntry):
     """An inference engine of the deployment (SGLang's HTTP admin API, or the reference engine)."""
@@ -193,6 +194,10 @@ class TrainingWorkflowSettings(_Strict):
     on_acknowledge_timeout: Literal["reject", "hold"] = "reject"
     evaluator: EvaluatorSettingsModel = EvaluatorSettingsModel()
     batching: BatchingSettingsModel = BatchingSettingsModel()
+    #: How often a trainer that fails (its process dies, its Ray actor is lost) is started again:
+    #: at most ``max_restarts`` within ``window_s``, the n-th after ``delays_s[n-1]``; past it the
+    #: trainer stays down (``/readyz`` 503, jobs wait) until the orchestrator is restarted.
+    recovery: RecoverySettingsModel = RecoverySettingsModel()
     engines: list[EngineEntry] = Field(default_factory=list)
 
     @field_validator("executor", mode="before")

@@ -37,7 +37,9 @@ class SystemClock:
         return _time.time()
 
     def monotonic(self) -> float:
-        return asyncio.get_running_loop().time()
+        # The event loop's own time source (asyncio's loop.time() is time.monotonic()), read without
+        # a loop: the trainer host asks it from the worker thread its blocking calls run on.
+        return _time.monotonic()
 
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(max(0.0, seconds))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from workers.health import HealthMonitorConfig
 
-from engine.workflows.deployment.policy import RestartPolicy
+from engine.runtime.restarts import RestartPolicy
 from engine.config.deployment import (
     DeploymentSettingsModel, ServiceModel, endpoint_of, env_references, order)
 

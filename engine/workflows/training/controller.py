@@ -48,14 +48,18 @@ from journal.writes import Row, to_row
 
 from workers.inference.engine import InferenceEngine
 
+from engine.runtime.clock import Clock, SystemClock
 from engine.runtime.reconciler import BaseController, Context, Result
 from engine.workflows.training.publication import PublicationSettings, Publisher
+from engine.workflows.training.trainer_host import TrainerRestartPending
 
 log = logging.getLogger("tidelog.training")
 
 KIND = "training_jobs"
 #: States whose job's step is verified (a checkpoint) and stays in the trainer's lineage.
 KEPT = ("CHECKPOINT", "UPDATING_WEIGHTS", "READY_TO_COMMIT", "HEAD_COMMITTED", "COMPLETE")
+#: States whose next step calls the trainer (besides RUNNING): they wait while it is down for good.
+NEEDS_TRAINER = ("AMBIGUOUS", "CHECKPOINT", "UPDATING_WEIGHTS", "REJECTING")
 #: The job id a trainer's step record names when it holds its initial weights (workers.trainer.steps).
 INITIAL = "initial"
 
@@ -94,8 +98,9 @@ class TrainingController(BaseController):
 
     def __init__(self, executor: TrainerRanks, settings: TrainingSettings,
                  publication: tuple[Sequence[InferenceEngine] | Mapping[str, InferenceEngine],
-                                    PublicationSettings] | None = None) -> None:
+                                    PublicationSettings] | None = None, clock: Clock | None = None) -> None:
         self._executor = executor
+        self._clock: Clock = clock or SystemClock()
         self.settings = settings
         # From CHECKPOINT on, the job's weights are published (when engines are given).
         self.publisher = None if publication is None else Publisher(self._call, *publication,
@@ -176,6 +181,15 @@ class TrainingController(BaseController):
             return Result()  # another deployment's job: its trainer and engines are not these
         if job_id in self._busy:
             return Result()  # the calls' end writes the outcome and wakes it
+        gave_up: str | None = getattr(self._executor, "gave_up", None)
+        if gave_up is not None and row.state in NEEDS_TRAINER:
+            # Past training.recovery the trainer is not started again: a step that needs it waits,
+            # with the reason in its row (once), until the orchestrator is restarted. (RUNNING says
+            # it through its own not-ready path, which keeps the job ours to train.)
+            if row["detail"] != gave_up:
+                await ctx.apply(Transition(KIND, row.id, row.state, row.version, row.state, gave_up[:200],
+                                           {"detail": gave_up}))
+            return Result()
         if row.state in Publisher.STATES:
             if self.publisher is None:
                 return Result()  # no engines to publish to: the job waits in its state
@@ -275,9 +289,20 @@ class TrainingController(BaseController):
         return True
 
     async def _ensure_trainer(self) -> bool:
-        """Start a trainer if the host has none live (True when a fresh one was started)."""
+        """Start a trainer if the host has none live (True when a fresh one was started).
+
+        A restart the host's policy delays is waited out here, on the orchestrator's clock (a
+        cancellable sleep): the step that needed the trainer goes on as it would have after an
+        immediate restart, so a delay changes when the journal's next row is written, not which."""
         ensure = getattr(self._executor, "ensure", None)
-        return bool(await asyncio.to_thread(ensure)) if ensure is not None else False
+        if ensure is None:
+            return False
+        while True:
+            try:
+                return bool(await asyncio.to_thread(ensure))
+            except TrainerRestartPending as pending:
+                log.warning("%s", pending)
+                await self._clock.sleep(pending.delay_s)
 
     async def _restart_trainer(self, why: str) -> bool:
         """Stop the trainer and start a fresh one (False: the executor cannot be restarted)."""

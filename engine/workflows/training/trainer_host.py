@@ -12,6 +12,16 @@ initial weights) before trusting anything it says (engine/workflows/training/con
 
 Nothing is retried here: the call that met the failure raises it, so a ``train`` that may have
 run is never sent twice by this class.
+
+A trainer that keeps failing is not started again for ever: each build after a failure (the
+executor's ``failure`` set: its process died, its actor was lost) is allowed by a
+:class:`~engine.runtime.restarts.RestartPolicy` (``training.recovery``: by default at most 3 within
+5 minutes, after 1, 2 and 4 s, on the orchestrator's clock). Until its delay has passed ``ensure``
+raises :class:`TrainerRestartPending` with the time left (the controller waits it out on the clock,
+so the journal sees a slower restart, not a different one); past the policy the host gives up
+(:attr:`gave_up` says why, ``/readyz`` answers 503 with it) and every ``ensure`` raises, until the
+orchestrator is restarted. A release (a lost lease, a trainer that stopped answering or holds unaccounted steps)
+is this orchestrator's decision, not a failure, and is not counted.
 """
 
 from __future__ import annotations
@@ -23,6 +33,9 @@ from typing import Any
 
 from workers.executor import Executor
 
+from engine.runtime.clock import Clock, SystemClock
+from engine.runtime.restarts import RestartPolicy
+
 log = logging.getLogger("tidelog.training")
 
 
@@ -30,32 +43,91 @@ class TrainerUnavailable(RuntimeError):
     """No live trainer: it failed, was released, or was never started (a sync point starts one)."""
 
 
+class TrainerRestartPending(TrainerUnavailable):
+    """The trainer failed and its restart waits for the policy's delay: ask again in ``delay_s``."""
+
+    def __init__(self, message: str, delay_s: float) -> None:
+        super().__init__(message)
+        self.delay_s = delay_s
+
+
 class TrainerHost:
     """``rpc`` like an executor's, over the current executor built by ``factory`` (see the module docs)."""
 
-    def __init__(self, factory: Callable[[], Executor]) -> None:
+    def __init__(self, factory: Callable[[], Executor], policy: RestartPolicy | None = None,
+                 clock: Clock | None = None) -> None:
         self._factory = factory
         self._lock = threading.Lock()
         self._executor: Executor | None = None
         self._closed = False
         #: How many executors were built.
         self.generation = 0
+        self._policy = policy
+        self._clock: Clock = clock or SystemClock()
+        # The failure the next build restarts from (None: nothing failed since the last build), and
+        # when the policy lets that build happen (the clock's monotonic time).
+        self._failed: str | None = None
+        self._due: float | None = None
+        #: Why the host stopped starting trainers (past ``training.recovery``), or ``None``.
+        self.gave_up: str | None = None
 
     def ensure(self) -> bool:
-        """Have a live trainer: build one if there is none or it failed. True when a new one was built."""
+        """Have a live trainer: build one if there is none or it failed. True when a new one was built.
+
+        Raises :class:`TrainerRestartPending` while a restart after a failure waits for its delay, and
+        :class:`TrainerUnavailable` when the host is shut down or once the restart policy was exceeded."""
         with self._lock:
             if self._closed:
                 raise TrainerUnavailable("the trainer host is shut down")
+            if self.gave_up is not None:
+                raise TrainerUnavailable(self.gave_up)
             ex = self._executor
             if ex is not None and ex.failure is None:
                 return False
             if ex is not None:
-                self._retire(ex, str(ex.failure))
-            self._executor = self._factory()
+                self._failed = str(ex.failure)
+                self._retire(ex, self._failed)
+            if self._failed is not None and self._policy is not None:
+                self._wait_for_policy(self._policy, self._failed)
+            try:
+                self._executor = self._factory()
+            except Exception as exc:
+                # A replacement that cannot start is a failure too: the next ask is the policy's again.
+                self._failed, self._due = f"{type(exc).__name__}: {exc}"[:300], None
+                raise
+            self._failed, self._due = None, None
             self.generation += 1
             log.info("trainer executor started (generation %d, backend %s)", self.generation,
                      self._executor.backend)
             return True
+
+    def _wait_for_policy(self, policy: RestartPolicy, failed: str) -> None:
+        """Return when the policy lets the trainer start again after ``failed``; else raise saying why."""
+        now = self._clock.monotonic()
+        if self._due is None:
+            delay = policy.allow(now)
+            if delay is None:
+                self.gave_up = (f"the trainer failed ({failed}) and {policy.refusal()}: it is not started "
+                                f"again; fix the cause, then restart the orchestrator")[:500]
+                log.error("%s", self.gave_up)
+                raise TrainerUnavailable(self.gave_up)
+            self._due = now + delay
+        if now < self._due:
+            raise TrainerRestartPending(
+                f"the trainer failed ({failed}); restart {len(policy.history)} of at most {policy.max_restarts} "
+                f"within {policy.window_s:g} s in {self._due - now:.1f} s"[:500], self._due - now)
+
+    def unready(self) -> str | None:
+        """Why the deployment cannot train now (``None``: it can, or no trainer was needed yet): the
+        trainer failed and is not started again yet, or the host gave up (``/readyz`` says it)."""
+        with self._lock:
+            if self._closed:
+                return None
+            if self.gave_up is not None:
+                return self.gave_up
+            ex = self._executor
+            failed = self._failed if ex is None else None if ex.failure is None else str(ex.failure)
+        return None if failed is None else f"the trainer failed ({failed}) and is being started again"[:500]
 
     def _retire(self, ex: Executor, why: str) -> None:
         log.warning("trainer executor stopped (%s); the next sync point starts a fresh one", why)
@@ -96,4 +168,4 @@ class TrainerHost:
             ex.shutdown()
 
 
-__all__ = ["TrainerHost", "TrainerUnavailable"]
+__all__ = ["TrainerHost", "TrainerRestartPending", "TrainerUnavailable"]

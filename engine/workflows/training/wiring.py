@@ -1,6 +1,7 @@
 """Build the training half of an orchestrator from the ``training`` section of the configuration.
 
-``tidelog serve`` with ``training.enabled``: a :class:`TrainerHost` over an executor of the
+``tidelog serve`` with ``training.enabled``: a :class:`TrainerHost` (restarted within
+``training.recovery``) over an executor of the
 trainer's ranks (the class ``training.trainer.class`` names, built with its keyword arguments, on the
 backend and options of ``training.executor``), the deployment's engines (SGLang's HTTP admin API; the
 reference engine speaks it too), the training controller with commit-gated publication, and the
@@ -20,6 +21,8 @@ from workers.inference.engine import InferenceEngine
 from workers.inference.sglang import SGLangConfig, SGLangEngine
 
 from engine.config import Settings
+from engine.runtime.clock import Clock
+from engine.runtime.restarts import RestartPolicy
 from engine.workflows.training.batching import BatchController, BatchingSettings
 from engine.workflows.training.commit_gate import CommitGateSettings, Evaluator
 from engine.workflows.training.engine_gate import EngineGateController, GateSettings, engine_id
@@ -66,10 +69,12 @@ def executor_config(settings: Settings) -> ExecutorConfig:
                           gpus_per_worker=t.executor.gpus_per_worker, launch_timeout_s=t.executor.launch_timeout_s)
 
 
-def build_training(settings: Settings) -> TrainingParts:
+def build_training(settings: Settings, clock: Clock | None = None) -> TrainingParts:
     t = settings.training
     config = executor_config(settings)
-    host = TrainerHost(lambda: Executor.create(config))
+    r = t.recovery
+    host = TrainerHost(lambda: Executor.create(config),
+                       RestartPolicy(r.max_restarts, r.window_s, tuple(r.delays_s), setting="training.recovery"), clock)
     engines: dict[str, InferenceEngine] = {
         engine_id(t.deployment, e.name): SGLangEngine(SGLangConfig(url=e.url, timeout=t.engine_timeout_s,
                                                                    weight_update_timeout=t.weight_update_timeout_s,
@@ -86,7 +91,7 @@ def build_training(settings: Settings) -> TrainingParts:
     controller = TrainingController(host, TrainingSettings(
         checkpoint_dir=_absolute(t.checkpoint_dir), deployment=t.deployment, train_timeout_s=t.train_timeout_s,
         call_timeout_s=t.call_timeout_s, retry_after_s=t.retry_after_s, ranks=t.executor.workers),
-        publication=(engines, publication) if engines else None)
+        publication=(engines, publication) if engines else None, clock=clock)
     lock = controller.publisher.lock if controller.publisher is not None else asyncio.Lock()
     gate = EngineGateController(engines, GateSettings(t.deployment, t.pause_mode, t.retry_after_s), lock)
     return TrainingParts(host, engines, controller, gate, batcher(settings))

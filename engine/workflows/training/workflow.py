@@ -28,7 +28,7 @@ def build(deps: Deps) -> Parts | None:
     t = deps.settings.training
     if not t.enabled or "training_jobs" in deps.replaced:
         return None
-    parts = build_training(deps.settings)
+    parts = build_training(deps.settings, deps.clock)
     engines: Mapping[str, str] = {e.name: e.url for e in t.engines}
 
     async def sync(tx: WriteTx) -> list[str]:
@@ -47,9 +47,14 @@ def build(deps: Deps) -> Parts | None:
         # The next leader starts its own trainer; this one's must not train beside it.
         await asyncio.to_thread(parts.host.release)
 
+    async def not_ready() -> str | None:
+        # A trainer that failed is not there until it is started again, and one that failed past
+        # training.recovery is not started again: either way the deployment cannot train.
+        return parts.host.unready()
+
     return Parts(controllers=[parts.controller, parts.gate, *([batcher] if batcher else [])],
                  on_elected=[sync, *([open_batch] if batcher else [])], on_lost=lost, close=parts.close,
-                 handle=parts)
+                 handle=parts, not_ready=not_ready)
 
 
 def training_parts(handle: object) -> TrainingParts | None:

@@ -26,7 +26,7 @@ from engine.config import Settings
 from engine.runtime.clock import VirtualClock
 from engine.runtime.service import open_journal
 from engine.workflows.deployment.plan import Plan
-from engine.workflows.deployment.policy import RestartPolicy
+from engine.runtime.restarts import RestartPolicy
 from engine.config.deployment import DeploymentSettingsModel
 from engine.workflows.deployment.stack import Stack
 

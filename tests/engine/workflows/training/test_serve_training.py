@@ -21,8 +21,11 @@ from engine.config import ConfigError, Settings, load
 from engine.workflows.training.engine_gate import EngineGateController, GateSettings, engine_id, sync_engines
 from engine.runtime.service import Orchestrator
 from engine.workflows.training import reject_job, resolve_job, submit_job
-from engine.workflows.training.trainer_host import TrainerHost, TrainerUnavailable
+from engine.workflows.training.trainer_host import TrainerHost, TrainerRestartPending, TrainerUnavailable
+from engine.runtime.clock import VirtualClock
+from engine.runtime.restarts import RestartPolicy
 from journal import Journal, models
+from tests.support.pid_worker import PidWorker
 from tests.support.training import job_row, payload, submit, until_state, versions
 from tests.workers.inference.engines import EngineProc
 from workers.executor import Executor, ExecutorConfig, WorkerSpec
@@ -303,6 +306,113 @@ async def test_an_uncommitted_candidate_keeps_every_engine_paused(journal_url: s
 def _trainer_executor(state_dir: Path) -> Executor:
     return Executor.create(ExecutorConfig(backend="mp", workers=(
         WorkerSpec(Trainer, kwargs={"seed": 0, "state_dir": str(state_dir)}),)))
+
+
+def _pid_executor() -> Executor:
+    return Executor.create(ExecutorConfig(backend="mp", workers=(WorkerSpec(PidWorker),)))
+
+
+def _kill(host: TrainerHost) -> int:
+    """SIGKILL the host's trainer process and wait until a call meets the failure; returns its pid."""
+    pid = int(host.rpc(0, "health")["pid"])
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(Exception):  # noqa: B017 - whichever failure the call meets first
+        for _ in range(200):
+            host.rpc(0, "health", timeout=5)
+            time.sleep(0.05)
+    return pid
+
+
+async def test_a_trainer_that_keeps_failing_is_restarted_within_the_policy_then_not_again() -> None:
+    clock = VirtualClock()
+    policy = RestartPolicy(3, 300.0, (1.0, 2.0, 4.0), setting="training.recovery")
+    host = TrainerHost(_pid_executor, policy, clock)
+    try:
+        assert host.ensure() is True  # the first start is no restart
+        for n, delay in enumerate((1.0, 2.0, 4.0), start=1):
+            _kill(host)
+            assert host.unready() is not None and "is being started again" in str(host.unready())
+            # The n-th restart waits its delay on the orchestrator's clock; asking sooner says when.
+            with pytest.raises(TrainerRestartPending,
+                               match=rf"restart {n} of at most 3 within 300 s in {delay:.1f} s") as pending:
+                host.ensure()
+            assert pending.value.delay_s == delay
+            await clock.advance(delay - 0.5)
+            with pytest.raises(TrainerRestartPending, match=r"in 0\.5 s") as pending:
+                host.ensure()
+            assert pending.value.delay_s == 0.5
+            assert host.generation == n and "is being started again" in str(host.unready())
+            await clock.advance(0.5)
+            assert host.ensure() is True and host.generation == n + 1 and host.unready() is None
+        # A release is this orchestrator's decision (a lost lease, say), not a failure: not counted.
+        host.release("lease lost")
+        assert host.ensure() is True and host.generation == 5
+        # The fourth failure within five minutes: not started again, and every later ask says why.
+        _kill(host)
+        with pytest.raises(TrainerUnavailable, match=r"exceeded 3 restarts within 300 s \(training.recovery\)"):
+            host.ensure()
+        assert host.gave_up is not None and "it is not started again" in host.gave_up
+        assert host.unready() == host.gave_up
+        await clock.advance(3600)
+        with pytest.raises(TrainerUnavailable, match="it is not started again"):
+            host.ensure()
+        assert host.generation == 5
+    finally:
+        host.shutdown()
+
+
+async def test_the_trainer_restart_window_slides_on_the_clock() -> None:
+    clock = VirtualClock()
+    host = TrainerHost(_pid_executor, RestartPolicy(1, 300.0, (0.0,), setting="training.recovery"), clock)
+    try:
+        assert host.ensure() is True
+        _kill(host)
+        assert host.ensure() is True  # the one restart the window allows, at once (delay 0)
+        await clock.advance(300.5)  # that restart has left the window
+        _kill(host)
+        assert host.ensure() is True and host.generation == 3 and host.gave_up is None
+    finally:
+        host.shutdown()
+
+
+async def test_past_training_recovery_jobs_wait_with_the_reason_and_readiness_is_absent(
+        journal_url: str, tmp_path: Path, engine_procs: list[EngineProc], initial_dir: Path,
+        orchestrators: list[Orchestrator]) -> None:
+    """Through serve, the real clock and a real mp trainer: one restart is allowed (after 0.2 s); the
+    second failure stops the trainer for good: the next job waits RUNNING with the reason in its row,
+    untrained, and /readyz's reason (Orchestrator.not_ready) says it."""
+    settings = training_settings(journal_url, tmp_path, engine_procs, initial_dir, executor="mp")
+    settings = settings.model_copy(update={"training": settings.training.model_copy(update={
+        "recovery": settings.training.recovery.model_copy(update={"max_restarts": 1, "delays_s": [0.2]})})})
+    orch = await serving(settings, orchestrators)
+    parts = orch.handle("training")
+    assert parts is not None
+    first = await submit(orch.journal, payload(0), deployment="dep")
+    await until_state(orch.journal, first, "COMPLETE")
+    assert await orch.not_ready() is None
+    os.kill((await asyncio.to_thread(parts.host.rpc, 0, "health"))["pid"], signal.SIGKILL)
+    second = await submit(orch.journal, payload(1), deployment="dep")
+    row = await until_state(orch.journal, second, "COMPLETE", "AMBIGUOUS")
+    if row["state"] == "AMBIGUOUS":  # the dead executor met train itself: settled from evidence
+        row = await until_state(orch.journal, second, "COMPLETE")
+    assert parts.host.generation == 2 and row["metrics"]["step"] == 2  # the one restart, on the checkpoint
+    os.kill((await asyncio.to_thread(parts.host.rpc, 0, "health"))["pid"], signal.SIGKILL)
+    third = await submit(orch.journal, payload(2), deployment="dep")
+    for _ in range(600):
+        row = await job_row(orch.journal, third)
+        if row["detail"] and "training.recovery" in row["detail"]:
+            break
+        await asyncio.sleep(0.05)
+    assert row["state"] == "RUNNING" and "exceeded 1 restart within 300 s (training.recovery)" in row["detail"], row
+    why = await orch.not_ready()
+    assert why is not None and "it is not started again" in why, why
+    await asyncio.sleep(1.0)  # several retries later: still waiting, the reason written once
+    assert (await job_row(orch.journal, third))["state"] == "RUNNING" and parts.host.generation == 2
+    e = models.events
+    async with orch.journal.read() as conn:
+        trail = (await conn.execute(sa.select(e.c.reason, e.c.payload).where(e.c.entity_id == third))).all()
+    said = [t for t in trail if "training.recovery" in f"{t.reason} {t.payload}"]
+    assert len(said) == 1, trail
 
 
 def test_the_host_starts_a_fresh_trainer_only_when_asked(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
-"""The managed-recovery policy: how many rebuilds of the stack within a window, and the wait before
-each. Time comes from the injectable clock (``monotonic``), so a window of minutes is tested on
-virtual time."""
+"""The managed-recovery policy: how many restarts of a component within a window, and the wait before
+each — the service stack's rebuilds (``deployment.recovery``) and the trainer's (``training.recovery``).
+Time comes from the injectable clock (``monotonic``), so a window of minutes is tested on virtual
+time."""
 
 from __future__ import annotations
 
@@ -9,12 +10,14 @@ from dataclasses import dataclass, field
 
 @dataclass
 class RestartPolicy:
-    """At most ``max_restarts`` rebuilds within ``window_s``; the n-th rebuild in the window waits
+    """At most ``max_restarts`` restarts (rebuilds) within ``window_s``; the n-th rebuild in the window waits
     ``delays_s[n - 1]`` (the last delay for any later one). ``max_restarts`` 0: fail-stop."""
 
     max_restarts: int = 3
     window_s: float = 300.0
     delays_s: tuple[float, ...] = (1.0, 2.0, 4.0)
+    #: The configuration key that sets these bounds (named in :meth:`refusal`).
+    setting: str = "deployment.recovery"
     #: The monotonic times of the rebuilds this policy allowed (the window's evidence).
     history: list[float] = field(default_factory=list)
 
@@ -32,4 +35,4 @@ class RestartPolicy:
 
     def refusal(self) -> str:
         return (f"exceeded {self.max_restarts} restart{'s' if self.max_restarts != 1 else ''} within "
-                f"{self.window_s:g} s (deployment.recovery)")
+                f"{self.window_s:g} s ({self.setting})")
