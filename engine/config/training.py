@@ -26,7 +26,7 @@ class EngineEntry(ParticipantEntry):
 
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 #: The executor backends built in (``workers.executor``); anything else is an import path.
-_BACKENDS = ("auto", "uni", "mp", "ray")
+_BACKENDS = ("auto", "uni", "mp", "ray", "http")
 
 
 def _importable(path: str) -> str:
@@ -100,7 +100,9 @@ class ExecutorSettingsModel(_Strict):
     """Where the trainer's ranks run (``workers.executor``). A plain string is the backend alone."""
 
     #: ``auto``, ``uni`` (the orchestrator's process), ``mp`` (spawned processes), ``ray`` (actors),
-    #: or ``package.module:Class``, an ``Executor`` subclass (the seed's custom executor).
+    #: ``http`` (ranks served by ``python -m workers.executor.serve``, a service of the stack, say:
+    #: ``options.urls`` one per rank, ``options.token_env`` its bearer token's variable), or
+    #: ``package.module:Class``, an ``Executor`` subclass (the seed's custom executor).
     backend: str = "mp"
     #: Ranks, all of the trainer class. Rank 0 answers for the group (docs/training.md).
     workers: int = Field(default=1, ge=1, le=1024)
@@ -118,7 +120,7 @@ class ExecutorSettingsModel(_Strict):
         if v in _BACKENDS:
             return v
         if ":" not in v:
-            raise ValueError(f"{v!r} is not a backend: auto, uni, mp, ray, or an Executor subclass "
+            raise ValueError(f"{v!r} is not a backend: auto, uni, mp, ray, http, or an Executor subclass "
                              f"as 'package.module:Class'")
         return _importable(v)
 
@@ -127,6 +129,15 @@ class ExecutorSettingsModel(_Strict):
         if self.options and self.backend in ("uni", "mp"):
             raise ValueError(f"options: the {self.backend} backend takes no executor options "
                              f"(got {sorted(self.options)}); Ray actor options need backend ray")
+        if self.backend == "http":
+            urls = self.options.get("urls")
+            if not isinstance(urls, list) or len(urls) != self.workers or not all(
+                    isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls):
+                raise ValueError(f"options.urls: the http backend needs one http(s) URL per rank ({self.workers}), "
+                                 f"got {urls!r}")
+            unknown = sorted(set(self.options) - {"urls", "token_env"})
+            if unknown:
+                raise ValueError(f"options: the http backend knows only urls and token_env, not {unknown}")
         if self.backend == "uni" and self.workers != 1:
             raise ValueError(f"workers: the uni backend runs exactly one rank (got {self.workers})")
         return self

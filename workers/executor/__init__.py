@@ -10,7 +10,8 @@
         executor.shutdown()
 
 Backends: ``uni`` (one worker in the caller's process), ``mp`` (spawned
-processes), ``ray`` (Ray actors; Ray is imported only when used) and ``auto``
+processes), ``ray`` (Ray actors; Ray is imported only when used), ``http`` (ranks that
+are services, ``python -m workers.executor.serve``) and ``auto``
 (the default; see :func:`select_backend`). The contract every backend keeps is
 described in ``workers.executor._base``; failure semantics in
 ``workers.executor._failure``.
@@ -19,6 +20,7 @@ described in ``workers.executor._base``; failure semantics in
 from workers.executor._base import Executor, SubmittingExecutor
 from workers.executor._failure import ExecutorFailedError, ExecutorFailure, FailureListener, FailureState
 from workers.executor._future import ExecutorFuture, GroupFuture, resolve
+from workers.executor._http import HttpExecutor, ServedWorkerError
 from workers.executor._mp import MpExecutor
 from workers.executor._mp_child import RemoteWorkerError
 from workers.executor._ray import RayExecutor, RayRuntimeLease
@@ -44,10 +46,12 @@ __all__ = [
     "FailureListener",
     "FailureState",
     "GroupFuture",
+    "HttpExecutor",
     "MpExecutor",
     "RayExecutor",
     "RayRuntimeLease",
     "RemoteWorkerError",
+    "ServedWorkerError",
     "SpawnPickleError",
     "SubmittingExecutor",
     "UniExecutor",

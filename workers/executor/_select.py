@@ -1,6 +1,7 @@
 """Backend selection: ``Executor.create`` and the ``auto`` rules.
 
-An explicit backend wins: ``"uni"``, ``"mp"``, ``"ray"``, an import path of an
+An explicit backend wins: ``"uni"``, ``"mp"``, ``"ray"``, ``"http"`` (ranks served by
+``python -m workers.executor.serve``; never chosen by ``auto``), an import path of an
 ``Executor`` subclass, or the class. ``"auto"`` decides, in this order:
 
 1. fractional ``gpus_per_worker`` -> error (only Ray reserves GPU fractions;
@@ -35,7 +36,7 @@ __all__ = ["BUILTIN_BACKENDS", "create_executor", "local_cuda_masks", "select_ba
 
 logger = logging.getLogger("tidelog.executor")
 
-BUILTIN_BACKENDS = ("uni", "mp", "ray")
+BUILTIN_BACKENDS = ("uni", "mp", "ray", "http")
 
 
 def _builtin(name: str) -> type[Executor]:
@@ -47,6 +48,10 @@ def _builtin(name: str) -> type[Executor]:
         from workers.executor._mp import MpExecutor
 
         return MpExecutor
+    if name == "http":
+        from workers.executor._http import HttpExecutor
+
+        return HttpExecutor
     from workers.executor._ray import RayExecutor
 
     return RayExecutor

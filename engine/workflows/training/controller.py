@@ -490,11 +490,16 @@ def _settled(info: Mapping[str, Any], source: str) -> dict[str, Any]:
     return {**(kept if isinstance(kept, Mapping) else {}), "settled_from": source, "step": info["step"]}
 
 
+JOB_ERROR = "workers.trainer.errors.JobError"
+
+
 def _refused_before_any_step(exc: BaseException) -> bool:
     """The trainer validated the job and refused it before any step: a ``workers.trainer.errors.JobError``,
     or a subclass of it (the contract of docs/training.md, for any trainer class)."""
-    # By name: importing workers.trainer would import torch into the orchestrator.
-    return any(c.__name__ == "JobError" and c.__module__ == "workers.trainer.errors" for c in type(exc).__mro__)
+    # By name: importing workers.trainer would import torch into the orchestrator. A served trainer's
+    # exception (the http executor) names its remote classes instead.
+    local = (f"{c.__module__}.{c.__name__}" for c in type(exc).__mro__)
+    return JOB_ERROR in (*local, *getattr(exc, "remote_mro", ()))
 
 
 __all__ = ["GROUP_CALLS", "KIND", "TrainerRanks", "TrainingController", "TrainingSettings"]
