@@ -35,6 +35,8 @@ from workers.executor._spec import ExecutorConfig, ExecutorConfigError, Executor
 
 __all__ = ["HttpExecutor", "ServedWorkerError", "validate_http_options"]
 
+#: The fields a served typed error carries back (workers.executor.serve sends these only).
+FIELDS = ("field", "value", "rule", "path")
 #: Failures that mean the rank's process is gone (or the path to it is): terminal for the executor.
 _UNREACHABLE = (ConnectionError, http.client.RemoteDisconnected, http.client.IncompleteRead, TimeoutError)
 
@@ -47,7 +49,8 @@ class ServedWorkerError(RemoteWorkerError):
                  remote_mro: tuple[str, ...] = (), fields: dict[str, Any] | None = None) -> None:
         super().__init__(type_name, message, remote_traceback)
         self.remote_mro = remote_mro
-        self.fields = dict(fields or {})
+        # Only the typed errors' own field names become attributes (a reply names any keys it likes).
+        self.fields = {k: v for k, v in (fields or {}).items() if k in FIELDS}
         for key, value in self.fields.items():
             setattr(self, key, value)
 

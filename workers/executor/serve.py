@@ -37,12 +37,11 @@ from typing import Any
 
 from aiohttp import web
 
+from workers.executor._http import FIELDS
 from workers.executor._spec import WorkerSpec
 
 log = logging.getLogger("tidelog.executor.serve")
 
-#: Keys a worker exception's ``fields`` may carry back (the trainer's typed errors keep these).
-FIELDS = ("field", "value", "rule", "path")
 
 
 def error_body(exc: BaseException) -> dict[str, Any]:

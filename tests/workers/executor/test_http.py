@@ -183,3 +183,10 @@ def test_a_body_that_is_not_a_call_is_refused_naming_the_field(served: list[Serv
 def test_bad_options_are_refused_before_anything_is_called(options: dict[str, object], rule: str) -> None:
     with pytest.raises(ExecutorConfigError, match=rule):
         Executor.create(ExecutorConfig(backend="http", workers=(WorkerSpec(WORKER),), options=options))
+
+
+def test_a_served_error_keeps_the_typed_fields_only() -> None:
+    err = ServedWorkerError("workers.trainer.errors.JobError", "job field lr: -1 — must be positive", "tb",
+                            ("workers.trainer.errors.JobError",), {"field": "lr", "value": -1, "__class__": "x"})
+    assert (err.field, err.value, err.fields) == ("lr", -1, {"field": "lr", "value": -1})  # type: ignore[attr-defined]
+    assert type(err) is ServedWorkerError and str(err).startswith("workers.trainer.errors.JobError: job field lr")

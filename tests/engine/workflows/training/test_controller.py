@@ -175,3 +175,16 @@ async def test_a_job_the_trainer_refuses_before_any_step_fails(harness: Harness)
     assert await edges(orch.journal, job_id) == [(None, "RUNNING"), ("RUNNING", "FAILED")]
     assert "rollouts[0].completion[0]" in row["detail"]
     assert harness.trainer("health")["step"] == 0
+
+
+def test_a_served_trainers_job_error_is_a_refusal_and_other_errors_are_not() -> None:
+    """The http executor carries a served trainer's exception as ServedWorkerError with its remote
+    classes: a JobError (or a subclass) there is the trainer's refusal, as it is from a local rank."""
+    from engine.workflows.training.controller import _refused_before_any_step
+    from workers.executor import ServedWorkerError
+
+    refusal = ServedWorkerError("my.trainer.BadBatch", "job field rollouts: [] — empty", "tb",
+                                ("my.trainer.BadBatch", "workers.trainer.errors.JobError", "builtins.ValueError"))
+    failure = ServedWorkerError("builtins.RuntimeError", "CUDA out of memory", "tb", ("builtins.RuntimeError",))
+    assert _refused_before_any_step(refusal) and not _refused_before_any_step(failure)
+    assert not _refused_before_any_step(RuntimeError("job field x"))
