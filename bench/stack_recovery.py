@@ -18,7 +18,7 @@ The trainer's figure is the stack's: its service serving again. An orchestrator'
 then builds a new ``http`` executor at its next sync point, after its own restart delay
 (``training.recovery``, docs/training.md); that part is not in the figure.
 
-    .venv/bin/python bench/stack_recovery.py            # 3 kills of each component, ~2 min
+    .venv/bin/python bench/stack_recovery.py            # 3 kills of each component, ~2.5 min
     .venv/bin/python bench/stack_recovery.py --quick    # 1 kill of each
 
 The run ends with one JSON line holding every figure (seconds; medians over the kills).
