@@ -41,4 +41,28 @@ async def deployment_held(conn: Any, *, engines: bool = True) -> str | None:
                                         f"{engine.state}: not yet on the committed head)")
 
 
-__all__ = ["deployment_held"]
+async def participants_held(conn: Any) -> str | None:
+    """Why a restore must not pick its members yet (one line), or ``None``.
+
+    A restore is all or nothing into the participants that are ``healthy`` at its first look, so
+    it waits while the stack is being started or rebuilt (any declared service not ``ready``), and
+    while a participant the stack serves (its ``url`` is a service's ``endpoint``) is not
+    ``healthy``: right after a rebuild its row still says what the probes saw while it was down,
+    until the probe that every service's ``ready`` triggers. Engines are left out (a restore does
+    not involve them)."""
+    held = await deployment_held(conn, engines=False)
+    if held is not None:
+        return held
+    s, p = models.services, models.participants
+    endpoints = {str(e).rstrip("/") for e in (await conn.execute(sa.select(s.c.endpoint).where(
+        s.c.desired != "removed", s.c.endpoint.is_not(None)))).scalars()}
+    if not endpoints:
+        return None
+    for name, url, state in (await conn.execute(sa.select(p.c.id, p.c.url, p.c.state).where(
+            p.c.state != "removed").order_by(p.c.id))).all():
+        if state != "healthy" and str(url).rstrip("/") in endpoints:
+            return f"participant {name} of the deployment is {state}, not yet probed healthy again"
+    return None
+
+
+__all__ = ["deployment_held", "participants_held"]

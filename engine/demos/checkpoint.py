@@ -1,16 +1,20 @@
-"""``tidelog demo``: checkpoint a fleet mid-episode, crash every participant, restore, finish.
+"""``tidelog demo``: checkpoint a fleet mid-episode, crash it, restore, finish.
 
 Runs everything as real processes on loopback: the orchestrator (``tidelog serve`` over a SQLite
-journal file, or ``--journal-url``) and the four reference participants. Then, as a trainer would:
+journal file, or ``--journal-url``), whose configuration (``WORKDIR/tidelog.yaml``, one file)
+declares the four reference participants as its stack (``deployment.services``): the orchestrator
+starts them in dependency order and owns them. Then, as a trainer would:
 
 1. submit the episodes as rollouts (``POST /v1/rollouts``); the orchestrator dispatches them, and
    they get mid-way;
 2. take a checkpoint through the API and wait until it is published and resumed;
-3. SIGKILL the orchestrator and every participant at once — the episodes in flight die with them;
-4. request the restore of the latest checkpoint in the journal, then start fresh participants on
-   the same ports (same state directories) and a fresh orchestrator;
-5. the orchestrator restores them and sends each rollout again as its next attempt, which continues
-   from its checkpointed boundary, then forgets it;
+3. SIGKILL the orchestrator: every participant dies with it (its owner is gone) and the episodes in
+   flight with them; the demo checks that each recorded process group is gone;
+4. request the restore of the latest checkpoint in the journal and start a fresh orchestrator,
+   which brings the stack back from the journal (same ports, same state directories); the restore
+   waits for it;
+5. the orchestrator restores the participants and sends each rollout again as its next attempt,
+   which continues from its checkpointed boundary, then forgets it;
 
 and prints a short report — episodes continued, steps not repeated (the participants count every
 step they complete), time per phase — and the SQL that shows the audit trail. Exit 0 when every
@@ -42,6 +46,8 @@ from journal import machines
 from engine.demos.arguments import checkpoint_demo_arguments
 
 KINDS = ("environment", "model", "agent", "resources")
+#: The stack's dependency order: an agent needs its model, an environment its agent and resources.
+DEPENDS_ON = {"agent": ["model"], "environment": ["agent", "resources"]}
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -70,15 +76,28 @@ class Fleet:
         self.procs[name] = proc
         return proc
 
-    def start_participants(self, step_delay: float) -> None:
-        extra = {"agent": ["--model", self.url("model")],
-                 "environment": ["--agent", self.url("agent"), "--resources", self.url("resources"),
+    def participant_command(self, kind: str, step_delay: float) -> list[str]:
+        """The reference participant ``kind``'s command line, wired to the others by ``${endpoints.X}``."""
+        extra = {"agent": ["--model", "${endpoints.model}"],
+                 "environment": ["--agent", "${endpoints.agent}", "--resources", "${endpoints.resources}",
                                  "--step-delay", str(step_delay)]}
-        for kind in KINDS:
-            self._spawn(kind, ["-m", f"workers.reference.{kind}", "--port", str(self.ports[kind]),
-                               "--state-dir", str(self.workdir / "state" / kind),
-                               # the orchestrator's checkpoint directory (see the config below) lies here
-                               "--checkpoint-root", str(self.workdir.resolve()), *extra.get(kind, [])])
+        return [sys.executable, "-m", f"workers.reference.{kind}", "--port", str(self.ports[kind]),
+                "--state-dir", str(self.workdir / "state" / kind),
+                # the orchestrator's checkpoint directory (see the config below) lies here
+                "--checkpoint-root", str(self.workdir), *extra.get(kind, [])]
+
+    def services(self, step_delay: float) -> dict[str, Any]:
+        """The four reference participants as the stack's services (``deployment.services``)."""
+        return {kind: {
+            "command": self.participant_command(kind, step_delay),
+            "cwd": str(ROOT),
+            "depends_on": DEPENDS_ON.get(kind, []),
+            "endpoint": f"http://{{host}}:{self.ports[kind]}",
+            # The token reaches the service through its environment only (the process table is public).
+            "env": {"TIDELOG_CONTROL_TOKEN": "${env.TIDELOG_CONTROL_TOKEN}"},
+            "readiness": {"command": [sys.executable, "-m", "workers.participant.ready", f"${{endpoints.{kind}}}"],
+                          "interval_s": 0.2, "deadline_s": 60},
+        } for kind in KINDS}
 
     def kill(self, *names: str) -> None:
         """SIGKILL the named processes at once, then reap them."""
@@ -133,6 +152,32 @@ class Api:
                     return dict(row)
             await asyncio.sleep(0.1)
         raise TimeoutError(f"{path} did not finish within {timeout:.0f} s")
+
+
+    async def wait_stack(self, state: str, timeout: float = 120.0) -> None:
+        """Until the leader's stack is in ``state`` (``GET /v1/services``); a failed stack is an error."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            stack = (await self.get("/v1/services") or {}).get("stack") or {}
+            if stack.get("state") == state:
+                return
+            if stack.get("state") == "failed":
+                raise RuntimeError(f"the stack failed: {stack.get('reason')}")
+            await asyncio.sleep(0.1)
+        raise TimeoutError(f"the stack was not {state} within {timeout:.0f} s")
+
+
+async def died_with_owner(pids: dict[str, dict[str, Any]], timeout: float = 10.0) -> int:
+    """How many of the services' process groups (``services.pids``: the leader and its start time)
+    are gone within ``timeout``: a pid alive with another start time is a new process, not theirs."""
+    from engine.workflows.deployment.local import group_alive
+
+    end = time.monotonic() + timeout
+    while True:
+        alive = [name for name, p in pids.items() if group_alive(p)]
+        if not alive or time.monotonic() >= end:
+            return len(pids) - len(alive)
+        await asyncio.sleep(0.05)
 
 
 async def until_up(http: aiohttp.ClientSession, url: str, timeout: float = 30.0) -> None:
@@ -212,6 +257,9 @@ async def run(args: argparse.Namespace) -> int:
         "discovery": {"probe_timeout_s": 5, "interval_s": 5, "max_backoff_s": 5},
         "checkpoint": {"directory": str(workdir / "checkpoints"), "prepare_timeout_s": 20},
         "participants": [{"name": f"{kind}-0", "url": fleet.url(kind)} for kind in KINDS],
+        # The fleet is the orchestrator's stack: it starts the participants in dependency order, they
+        # die with it (owner loss), and the next orchestrator brings them back from the journal.
+        "deployment": {"run_dir": str(workdir / "run"), "services": fleet.services(args.step_delay)},
         "logging": {"level": "WARNING", "format": "text"},
     }))
     phases: dict[str, float] = {}
@@ -223,12 +271,12 @@ async def run(args: argparse.Namespace) -> int:
         return 1
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
-            fleet.start_participants(args.step_delay)
+            started = time.perf_counter()
             fleet.start_orchestrator(config)
             api = Api(http, f"http://127.0.0.1:{api_port}", token)
-            for kind in KINDS:
-                await until_up(http, fleet.url(kind) + "/ng-control/v1/checkpoint/status")
             await until_up(http, api.base + "/healthz")
+            await api.wait_stack("ready")
+            phases["stack start-up"] = time.perf_counter() - started
             while True:  # discovery finds the four participants healthy
                 rows = await api.get("/v1/participants") or {}
                 items = rows.get("participants", rows) if isinstance(rows, dict) else rows
@@ -256,19 +304,27 @@ async def run(args: argparse.Namespace) -> int:
                 "rollouts", [])} | {r["id"] for r in (await api.get("/v1/rollouts?state=forgotten") or {}).get(
                 "rollouts", [])}
 
-            fleet.kill("orchestrator", *KINDS)
-            print(f"SIGKILLed the orchestrator and all {len(KINDS)} participants at once")
+            services = (await api.get("/v1/services") or {}).get("services", [])
+            pids = {r["name"]: r["pids"] for r in services if r.get("pids")}
+            started = time.perf_counter()
+            fleet.kill("orchestrator")
+            gone = await died_with_owner(pids)
+            phases["services gone after the owner"] = time.perf_counter() - started
+            print(f"SIGKILLed the orchestrator: its {gone} of {len(KINDS)} participants died with it"
+                  " (owner loss), with the episodes in flight")
+            if gone != len(KINDS):
+                print(f"tidelog demo: only {gone} of {len(KINDS)} services died with their owner", file=sys.stderr)
+                return 1
             started = time.perf_counter()
             # Requested before a fresh orchestrator leads, as an operator's recovery does: the
-            # restore then continues the rollouts before their lost attempts could be rerun.
+            # restore then continues the rollouts before their lost attempts could be rerun. It
+            # waits for the stack the new orchestrator brings back before it picks its members.
             restore_id, scope = await request_restore(journal_url, str(workdir / "checkpoints"))
             print(f"restore {restore_id} requested: {len(scope)} episodes were in the checkpoint")
-            fleet.start_participants(args.step_delay)
-            for kind in KINDS:
-                await until_up(http, fleet.url(kind) + "/ng-control/v1/checkpoint/status")
             fleet.start_orchestrator(config)
             await until_up(http, api.base + "/healthz")
-            phases["restart"] = time.perf_counter() - started
+            await api.wait_stack("ready")
+            phases["stack back from the journal"] = time.perf_counter() - started
 
             started = time.perf_counter()
             row = await api.wait(f"/v1/restores/{restore_id}", machines.RESTORES.terminal)

@@ -1,17 +1,19 @@
 """``journal.readiness.deployment_held`` on both backends: no stack never holds; a declared service
 that is not ready holds; a removed one does not; an engine service whose engine is not yet gated holds
-dispatch but not the start of a publication."""
+dispatch but not the start of a publication; ``participants_held`` (a restore's first look) also
+waits for a participant the stack serves to be probed healthy again, and ignores the others."""
 
 from __future__ import annotations
 
 from journal import Journal
-from journal.readiness import deployment_held
+from journal.readiness import deployment_held, participants_held
 
 
 async def _service(journal: Journal, name: str, state: str, *, engine: str | None = None,
-                   desired: str = "up") -> None:
+                   desired: str = "up", endpoint: str | None = None) -> None:
     async with journal.write() as tx:
-        await tx.create("services", name, reason="test", values={"engine": engine, "desired": desired})
+        await tx.create("services", name, reason="test", values={"engine": engine, "desired": desired,
+                                                                 "endpoint": endpoint})
         path = {"pending": [], "starting": ["starting"], "ready": ["starting", "ready"],
                 "stopped": ["stopped"]}[state]
         row = await tx.get("services", name)
@@ -50,3 +52,39 @@ async def test_an_engine_not_yet_gated_holds_dispatch_but_not_a_publication(jour
         await tx.transition("engines", "dep/e0", from_state="registered", version=row.version, to_state="serving",
                             reason="gated", changes={"serving_version": "v"})
     assert await _held(journal) is None
+
+
+async def _participant(journal: Journal, name: str, url: str, state: str) -> None:
+    async with journal.write() as tx:
+        row = await tx.get("participants", name)
+        if row is None:
+            await tx.create("participants", name, reason="configured", values={"url": url, "kind": "environment"})
+            row = await tx.get("participants", name)
+        assert row is not None
+        if state != row.state:
+            await tx.transition("participants", name, from_state=row.state, version=row.version, to_state=state,
+                                reason="test")
+
+
+async def _restore_held(journal: Journal) -> str | None:
+    async with journal.read() as conn:
+        return await participants_held(conn)
+
+
+async def test_a_restore_waits_for_the_stack_and_its_participants_probed_healthy_again(journal: Journal) -> None:
+    await _participant(journal, "outside-0", "http://10.0.0.9:9000", "unreachable")
+    assert await _restore_held(journal) is None  # no stack: a restore goes on as before
+    await _service(journal, "env", "starting", endpoint="http://127.0.0.1:9101/")
+    await _participant(journal, "env-0", "http://127.0.0.1:9101", "healthy")  # what it was before the crash
+    assert await _restore_held(journal) == "the deployment is not ready (service env is starting)"
+    async with journal.write() as tx:
+        row = await tx.get("services", "env")
+        assert row is not None
+        await tx.transition("services", "env", from_state="starting", version=row.version, to_state="ready",
+                            reason="test")
+    await _participant(journal, "env-0", "http://127.0.0.1:9101", "unreachable")  # probed while it was down
+    assert await _restore_held(journal) == ("participant env-0 of the deployment is unreachable, not yet probed "
+                                            "healthy again")
+    await _participant(journal, "env-0", "http://127.0.0.1:9101", "healthy")
+    # outside-0 is no service's endpoint: the restore does not wait for it (its rows decide as before).
+    assert await _restore_held(journal) is None

@@ -9,8 +9,10 @@
   same body for everyone, ``episode_ids`` the checkpoint's scope (the
   checkpointed attempts; each participant continues attempt N as N + 1). The
   members are fixed by the first look (whoever got a call); while a
-  participant row is still ``pending`` (not probed yet) the first look waits,
-  up to the deadline. Every call settled: all succeeded → ``resuming``; any
+  participant row is still ``pending`` (not probed yet), or while the deployment's
+  stack is not ready or a participant it serves is not ``healthy``
+  (``journal.readiness.participants_held``), the first look waits, up to the
+  deadline. Every call settled: all succeeded → ``resuming``; any
   failed (4xx, 5xx, unreachable, timed out) → ``rolling_back`` with the restore
   error in ``detail`` (participant, HTTP status, code, detail).
 - ``resuming`` → ``done``: members resumed in reverse stage order (resources,
@@ -49,6 +51,7 @@ import sqlalchemy as sa
 
 from journal import Transition, WriteTx, models
 from journal.machines import RESTORES
+from journal.readiness import participants_held
 from journal.writes import Row, to_row
 from workers.protocol import CONTROL_PREFIX, ID_PATTERN, EpisodeId
 
@@ -201,6 +204,8 @@ class RestoreController(BaseController):
 
     def __init__(self, settings: RestoreSettings | None = None) -> None:
         self.settings = settings or RestoreSettings()
+        #: Per restore waiting for the deployment: the reason last logged (logged once per reason).
+        self._waiting: dict[str, str] = {}
 
     async def reconcile(self, ctx: Context, entity_id: str) -> Result:
         row = await ctx.get(KIND, entity_id)
@@ -237,6 +242,17 @@ class RestoreController(BaseController):
         deadline = self._deadline(row, self.settings.restore_timeout_s)
         members = await self._members(ctx, row)
         if not members:
+            # The first look fixes the members: not while the deployment's stack is starting or being
+            # rebuilt (its participants are down or just back, and their rows say what the probes saw
+            # meanwhile); up to the deadline, after which whoever is healthy is restored into.
+            async with ctx.journal.read() as conn:
+                held = await participants_held(conn)
+            if held is not None and ctx.clock.time() < deadline:
+                if self._waiting.get(row.id) != held:
+                    self._waiting[row.id] = held
+                    log.info("restore %s waits: %s", row.id, held)
+                return Result(requeue_after=0.5)
+            self._waiting.pop(row.id, None)
             rows = await participant_rows(ctx)
             if any(r.state == "pending" for r in rows) and ctx.clock.time() < deadline:
                 return Result(requeue_after=0.5)  # discovery has not probed every participant yet
