@@ -34,7 +34,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Collection
+from collections.abc import Awaitable, Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -76,28 +76,30 @@ class Fleet:
         self.procs[name] = proc
         return proc
 
-    def participant_command(self, kind: str, step_delay: float) -> list[str]:
-        """The reference participant ``kind``'s command line, wired to the others by ``${endpoints.X}``."""
-        extra = {"agent": ["--model", "${endpoints.model}"],
-                 "environment": ["--agent", "${endpoints.agent}", "--resources", "${endpoints.resources}",
-                                 "--step-delay", str(step_delay)]}
-        return [sys.executable, "-m", f"workers.reference.{kind}", "--port", str(self.ports[kind]),
-                "--state-dir", str(self.workdir / "state" / kind),
-                # the orchestrator's checkpoint directory (see the config below) lies here
-                "--checkpoint-root", str(self.workdir), *extra.get(kind, [])]
-
-    def services(self, step_delay: float) -> dict[str, Any]:
-        """The four reference participants as the stack's services (``deployment.services``)."""
-        return {kind: {
-            "command": self.participant_command(kind, step_delay),
+    def participant_service(self, kind: str, extra: list[str], depends_on: list[str]) -> dict[str, Any]:
+        """The reference participant ``kind`` as a service of the stack (``deployment.services``):
+        ``extra`` its own arguments (``${endpoints.X}`` wires it to the others)."""
+        return {
+            "command": [sys.executable, "-m", f"workers.reference.{kind}", "--port", str(self.ports[kind]),
+                        "--state-dir", str(self.workdir / "state" / kind),
+                        # the orchestrator's checkpoint directory (see the config) lies here
+                        "--checkpoint-root", str(self.workdir), *extra],
             "cwd": str(ROOT),
-            "depends_on": DEPENDS_ON.get(kind, []),
+            "depends_on": depends_on,
             "endpoint": f"http://{{host}}:{self.ports[kind]}",
             # The token reaches the service through its environment only (the process table is public).
             "env": {"TIDELOG_CONTROL_TOKEN": "${env.TIDELOG_CONTROL_TOKEN}"},
             "readiness": {"command": [sys.executable, "-m", "workers.participant.ready", f"${{endpoints.{kind}}}"],
                           "interval_s": 0.2, "deadline_s": 60},
-        } for kind in KINDS}
+        }
+
+    def services(self, step_delay: float) -> dict[str, Any]:
+        """The four reference participants as the stack's services."""
+        extra = {"agent": ["--model", "${endpoints.model}"],
+                 "environment": ["--agent", "${endpoints.agent}", "--resources", "${endpoints.resources}",
+                                 "--step-delay", str(step_delay)]}
+        return {kind: self.participant_service(kind, extra.get(kind, []), DEPENDS_ON.get(kind, []))
+                for kind in KINDS}
 
     def kill(self, *names: str) -> None:
         """SIGKILL the named processes at once, then reap them."""
@@ -155,16 +157,21 @@ class Api:
 
 
     async def wait_stack(self, state: str, timeout: float = 120.0) -> None:
-        """Until the leader's stack is in ``state`` (``GET /v1/services``); a failed stack is an error."""
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            stack = (await self.get("/v1/services") or {}).get("stack") or {}
-            if stack.get("state") == state:
-                return
-            if stack.get("state") == "failed":
-                raise RuntimeError(f"the stack failed: {stack.get('reason')}")
-            await asyncio.sleep(0.1)
-        raise TimeoutError(f"the stack was not {state} within {timeout:.0f} s")
+        await wait_stack(self.get, state, timeout)
+
+
+async def wait_stack(get: Callable[[str], Awaitable[Any]], state: str, timeout: float = 120.0) -> None:
+    """Until the leader's stack is in ``state`` (``GET /v1/services`` through ``get``, ``None`` while
+    no orchestrator answers); a failed stack is an error naming why."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        stack = (await get("/v1/services") or {}).get("stack") or {}
+        if stack.get("state") == state:
+            return
+        if stack.get("state") == "failed":
+            raise RuntimeError(f"the stack failed: {stack.get('reason')}")
+        await asyncio.sleep(0.1)
+    raise TimeoutError(f"the stack was not {state} within {timeout:.0f} s")
 
 
 async def died_with_owner(pids: dict[str, dict[str, Any]], timeout: float = 10.0) -> int:

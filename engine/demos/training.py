@@ -10,7 +10,10 @@ sample ``workers.reference.samples:episode``), one reference inference engine
 ``initial_weights``, registered as its committed head at start), and the four reference participants
 — the model generating each action on the engine (``--engine``: 6 tokens sampled at temperature 1
 with a seed from the conversation's digest), the resources server checking each action against a
-rule a policy can learn (``--task letter:s``: the action holds an ``s``). Each round:
+rule a policy can learn (``--task letter:s``: the action holds an ``s``). The engine and the
+participants are the orchestrator's stack, declared in its one configuration file
+(``WORKDIR/tidelog.yaml``, ``deployment.services``): it starts them in dependency order and gates
+the engine onto the committed head before the stack is ready. Each round:
 
 1. ``--episodes`` episodes of ``--turns`` turns are submitted as rollouts (``POST /v1/rollouts``)
    and the orchestrator runs them on the environment; the verifier's reward of an episode is the
@@ -25,7 +28,8 @@ Mid-way it SIGKILLs the orchestrator twice (``TIDELOG_CRASH_AT``: right after a 
 ``RUNNING->CHECKPOINT`` commit, and right after another's ``UPDATING_WEIGHTS->READY_TO_COMMIT``
 commit, engines paused on the candidate) and the trainer process once (right after a batch's job
 is submitted); after each the next orchestrator (or trainer) finishes the same job, never training
-it twice. It ends with a report and exits 0 only if the mean reward of the last rounds beats the
+it twice. A crashed orchestrator's stack dies with it; the next one brings it back from the journal,
+its fresh engine paused and put on the committed head before it serves a request. It ends with a report and exits 0 only if the mean reward of the last rounds beats the
 first rounds', every round's rollouts made up exactly one batch, every job is ``COMPLETE`` with
 trainer steps 1..N, the trainer's persisted step counter (``step.json``) is N, every round generated
 on (and its rollout rows record) the version the previous job published, every crash happened, and
@@ -54,11 +58,12 @@ import yaml
 from journal import machines
 
 from engine.demos.arguments import training_demo_arguments
-from engine.demos.checkpoint import KINDS, ROOT, Fleet, free_port, until_up
+from engine.demos.checkpoint import DEPENDS_ON, KINDS, ROOT, Fleet, free_port, until_up, wait_stack
 
 CRASH_CHECKPOINT = "training_jobs:RUNNING->CHECKPOINT"
 CRASH_PUBLICATION = "training_jobs:UPDATING_WEIGHTS->READY_TO_COMMIT"
 DEPLOYMENT = "demo"
+ENGINE = "engine-0"
 
 
 class TrainingFleet(Fleet):
@@ -70,18 +75,22 @@ class TrainingFleet(Fleet):
         self.ports["engine"] = free_port()
         self.serves = 0
 
-    def start_engine(self, weights: Path) -> None:
-        self._spawn("engine", ["-m", "workers.inference.reference", "--port", str(self.ports["engine"]),
-                               "--model-dir", str(weights)])
-
-    def start_rl_participants(self) -> None:
-        extra = {"agent": ["--model", self.url("model")],
-                 "environment": ["--agent", self.url("agent"), "--resources", self.url("resources")],
-                 "model": ["--engine", self.url("engine"), "--temperature", str(self.args.temperature)],
+    def rl_services(self, initial: Path) -> dict[str, Any]:
+        """The stack: the reference engine (``training.engines`` entry ``engine-0``, started from the
+        seed-0 weights; each launch is gated onto the committed head before the stack is ready) and
+        the four participants, the model generating on the engine."""
+        engine = {"command": [sys.executable, "-m", "workers.inference.reference", "--port", str(self.ports["engine"]),
+                              "--model-dir", str(initial)],
+                  "cwd": str(ROOT), "endpoint": f"http://{{host}}:{self.ports['engine']}", "engine": ENGINE,
+                  "readiness": {"http": "${endpoints.engine}/get_weight_version", "interval_s": 0.2,
+                                "deadline_s": 120}}
+        extra = {"agent": ["--model", "${endpoints.model}"],
+                 "environment": ["--agent", "${endpoints.agent}", "--resources", "${endpoints.resources}"],
+                 "model": ["--engine", "${endpoints.engine}", "--temperature", str(self.args.temperature)],
                  "resources": ["--task", self.args.task]}
-        for kind in KINDS:
-            self._spawn(kind, ["-m", f"workers.reference.{kind}", "--port", str(self.ports[kind]),
-                               "--state-dir", str(self.workdir / "state" / kind), *extra[kind]])
+        depends = {**DEPENDS_ON, "model": ["engine"]}
+        return {"engine": engine, **{kind: self.participant_service(kind, extra[kind], depends.get(kind, []))
+                                     for kind in KINDS}}
 
     def start_serve(self, config: Path, crash_at: str | None) -> subprocess.Popen[bytes]:
         """A new orchestrator (armed to SIGKILL itself at ``crash_at``); its log is ``orchestrator-N``."""
@@ -165,9 +174,8 @@ class JobsApi:
             await asyncio.sleep(0.05)
         raise TimeoutError(f"the engine did not serve the committed head within {timeout:.0f} s")
 
-    async def rollouts(self, tasks: dict[str, dict[str, Any]], timeout: float = 90.0) -> dict[str, dict[str, Any]]:
-        """Submit ``tasks`` as rollouts (``POST /v1/rollouts``, again while no leader answers) and wait
-        until the orchestrator has run each to its end; rollout id -> its result (the ``/run`` reply)."""
+    async def submit(self, tasks: dict[str, dict[str, Any]], timeout: float = 90.0) -> None:
+        """Submit ``tasks`` as rollouts (``POST /v1/rollouts``, again while no leader answers)."""
         end = time.monotonic() + timeout
         body = {"tasks": [{"rollout_id": rid, "input": task} for rid, task in tasks.items()]}
         while True:
@@ -175,7 +183,7 @@ class JobsApi:
                 async with self.http.post(self.base + "/v1/rollouts", json=body, headers=self.auth) as resp:
                     reply = await resp.json(content_type=None)
                     if resp.status in (200, 201):
-                        break
+                        return
                     if resp.status != 503:
                         raise RuntimeError(f"POST /v1/rollouts: HTTP {resp.status} {reply}")
             except aiohttp.ClientError:
@@ -183,18 +191,26 @@ class JobsApi:
             if time.monotonic() > end:
                 raise TimeoutError(f"POST /v1/rollouts: no leader took the rollouts within {timeout:.0f} s")
             await asyncio.sleep(0.1)
-        results: dict[str, dict[str, Any]] = {}
-        while len(results) < len(tasks):
-            for rid in tasks:
-                row = None if rid in results else await self.get(f"/v1/rollouts/{rid}")
+
+    async def results(self, ids: list[str], serve: subprocess.Popen[bytes], into: dict[str, dict[str, Any]],
+                      timeout: float = 90.0) -> bool:
+        """Wait until the orchestrator has run each rollout to its end, adding rollout id -> its
+        result (the ``/run`` reply) to ``into``; ``False`` if ``serve`` died first (its job may have
+        been trained, and its crash hook fired, before the last result was read here)."""
+        end = time.monotonic() + timeout
+        while len(into) < len(ids):
+            if serve.poll() is not None:
+                return False
+            for rid in ids:
+                row = None if rid in into else await self.get(f"/v1/rollouts/{rid}")
                 if row is not None and row["state"] in ("finished", "forgotten"):
-                    results[rid] = dict(row["result"])
+                    into[rid] = dict(row["result"])
                 elif row is not None and row["state"] == "failed":
                     raise RuntimeError(f"rollout {rid} failed: {row.get('detail')}")
             if time.monotonic() > end:
-                raise TimeoutError(f"rollouts not finished within {timeout:.0f} s: {await self.stuck(set(tasks) - set(results))}")
+                raise TimeoutError(f"rollouts not finished within {timeout:.0f} s: {await self.stuck(set(ids) - set(into))}")
             await asyncio.sleep(0.05)
-        return results
+        return True
 
     async def stuck(self, ids: set[str]) -> str:
         """What the journal says of rollouts that did not finish, and of the participants (for the
@@ -267,7 +283,10 @@ async def run(args: argparse.Namespace) -> int:
                      "retry_after_s": 0.3, "publish_retry_after_s": 0.3,
                      "batching": {"enabled": True, "size": args.episodes, "max_staleness": 0,
                                   "sample": "workers.reference.samples:episode"},
-                     "engines": [{"name": "engine-0", "url": fleet.url("engine")}]},
+                     "engines": [{"name": ENGINE, "url": fleet.url("engine")}]},
+        # The fleet is the orchestrator's stack: it dies with each orchestrator the demo crashes, and
+        # the next one brings it back from the journal (the engine gated onto the committed head).
+        "deployment": {"run_dir": str(workdir / "run"), "services": fleet.rl_services(initial)},
         "logging": {"level": "WARNING", "format": "text"},
     }))
     rounds = args.rounds
@@ -292,27 +311,16 @@ async def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
-            fleet.start_engine(initial)
-            await until_up(http, fleet.url("engine") + "/get_weight_version")
-            fleet.start_rl_participants()
-            for kind in KINDS:
-                await until_up(http, fleet.url(kind) + "/ng-control/v1/checkpoint/status")
             # Armed for the first crash: the (crash_round+1)-th RUNNING->CHECKPOINT of this process.
             serve = fleet.start_serve(config, None if crash_round < 0 else f"{CRASH_CHECKPOINT}@{crash_round + 1}")
             api = JobsApi(http, f"http://127.0.0.1:{api_port}", token)
             await until_up(http, api.base + "/healthz")
+            await wait_stack(api.get, "ready")
             auth = {"Authorization": f"Bearer {token}"}
 
             async def generated_on() -> dict[str, int]:
                 async with http.get(f"{fleet.url('model')}/ng-control/v1/checkpoint/status", headers=auth) as resp:
                     return dict((await resp.json()).get("generated_on", {}))
-
-            async def episodes(r: int) -> tuple[list[str], list[dict[str, Any]]]:
-                """The round's episodes, submitted as rollouts: the orchestrator dispatches them."""
-                tasks = {f"round-{r}-ep-{k}": {"prompt": f"round {r} task {k}", "turns": args.turns}
-                         for k in range(args.episodes)}
-                done = await api.rollouts(tasks)
-                return list(tasks), [done[rid] for rid in tasks]
 
             async def restart(after: str, crash_at: str | None) -> subprocess.Popen[bytes]:
                 code = serve.wait()
@@ -320,8 +328,8 @@ async def run(args: argparse.Namespace) -> int:
                 if code != -signal.SIGKILL or f"crash hook {after.split('@')[0]} fired" not in log:
                     raise RuntimeError(f"the orchestrator ended with {code}, not the crash hook {after}")
                 crashes.append(f"orchestrator SIGKILLed after {after.split('@')[0]}")
-                print(f"  ! orchestrator SIGKILLed by its crash hook right after {after.split('@')[0]}; "
-                      f"starting another", flush=True)
+                print(f"  ! orchestrator SIGKILLed by its crash hook right after {after.split('@')[0]} (its stack "
+                      f"died with it); starting another, which brings the stack back", flush=True)
                 return fleet.start_serve(config, crash_at)
 
             expected = await api.head()  # the version each round's actions must come from
@@ -329,15 +337,50 @@ async def run(args: argparse.Namespace) -> int:
             print(f"  {'round':>5}  {'reward':>6}  {'actions generated on':<22}  {'job':<12}  {'serving after':<13}")
             for r in range(rounds):
                 t0 = time.perf_counter()
+                notes: list[str] = []
+                restarted = False
+
+                async def recover() -> None:
+                    """The orchestrator died in round ``r``: by its crash hook, or this is an error."""
+                    nonlocal serve, restarted
+                    if restarted:
+                        raise RuntimeError("the restarted orchestrator died too")
+                    if r == crash_round:
+                        serve = await restart(CRASH_CHECKPOINT, None if crash2_round < 0 else
+                                              f"{CRASH_PUBLICATION}@{crash2_round - crash_round + 1}")
+                    elif r == crash2_round:
+                        serve = await restart(CRASH_PUBLICATION, None)
+                    else:
+                        raise RuntimeError(f"the orchestrator died unexpectedly (exit {serve.poll()})")
+                    restarted = True
+                    notes.append("finished by the next orchestrator")
+                    # The counts below are read from the model of the rebuilt stack (they survive it).
+                    await wait_stack(api.get, "ready")
+
+                # After a crash the next orchestrator may finish the job before its stack is whole again.
+                await wait_stack(api.get, "ready")
                 before = await generated_on()
-                rollout_ids, results = await episodes(r)
-                after = await generated_on()
+                # The round's episodes, submitted as rollouts: the orchestrator dispatches them.
+                tasks = {f"round-{r}-ep-{k}": {"prompt": f"round {r} task {k}", "turns": args.turns}
+                         for k in range(args.episodes)}
+                rollout_ids = list(tasks)
+                done: dict[str, dict[str, Any]] = {}
+                await api.submit(tasks)
+                while not await api.results(rollout_ids, serve, done):
+                    await recover()
+                try:
+                    after = await generated_on()
+                except aiohttp.ClientError:
+                    if serve.poll() is None:
+                        raise
+                    await recover()  # its job crashed it (and the model with it) before this read
+                    after = await generated_on()
+                results = [done[rid] for rid in rollout_ids]
                 used = {v: n - before.get(v, 0) for v, n in after.items() if n != before.get(v, 0)}
                 if set(used) != {expected}:
                     problems.append(f"round {r + 1} generated on {used}, not only on {expected}")
                 reward = sum(float(x["reward"]) for x in results) / len(results)
                 rewards.append(reward)
-                notes: list[str] = []
                 batch = await api.batch_of(rollout_ids, serve)
                 job = None
                 if batch is not None:
@@ -353,19 +396,12 @@ async def run(args: argparse.Namespace) -> int:
                         notes.append("trainer killed")
                     job = await api.until_complete_or_dead(job_id, serve)
                 if job is None:
-                    if r == crash_round:
-                        serve = await restart(CRASH_CHECKPOINT, None if crash2_round < 0 else
-                                              f"{CRASH_PUBLICATION}@{crash2_round - crash_round + 1}")
-                    elif r == crash2_round:
-                        serve = await restart(CRASH_PUBLICATION, None)
-                    else:
-                        raise RuntimeError(f"the orchestrator died unexpectedly (exit {serve.returncode})")
-                    notes.append("finished by the next orchestrator")
+                    await recover()
                     batch = await api.batch_of(rollout_ids, serve)
                     job = None if batch is None else await api.until_complete_or_dead(str(batch["job_id"]), serve)
                     if batch is None or job is None:
                         raise RuntimeError("the restarted orchestrator died too")
-                elif r in (crash_round, crash2_round):
+                if r in (crash_round, crash2_round) and not restarted:
                     problems.append(f"round {r + 1}: the orchestrator's crash hook never fired")
                 assert batch is not None and job is not None
                 # Read once the job is done: the orchestrator may have died since the rollouts finished.

@@ -14,7 +14,8 @@ prompt is :func:`engine_prompt` of the messages, ``--max-tokens`` tokens are sam
 action is the text. The same conversation on the same weights still always gets the same
 action; on new weights, what those weights sample. A generation the engine aborted (a pause in
 ``abort`` mode) is asked again. Status then also shows ``generated_on``: how many actions each
-weight version generated here.
+weight version generated here, kept in ``STATE_DIR/generated_on.json`` (rewritten atomically after
+each action, read back at start) so that the counts of a server killed with its stack survive it.
 
 Every call runs inside :meth:`PolicyModelParticipant.call`: it generates (``--step-delay``
 seconds), then starts its response, which waits while a checkpoint is open (the call stays
@@ -33,18 +34,22 @@ import hashlib
 import json
 from collections import Counter
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 import aiohttp
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..files import write_atomically
 from ..participant.kinds.model import PolicyModelParticipant
 from ..protocol import ErrorCode, ProtocolError
 from . import _common
 from ._common import Executions, episode_of, json_response, read_json
 
 COMPLETIONS_PATH = f"{_common.ROLLOUT_PREFIX}/v1/chat/completions"
+#: Where (in ``--state-dir``) the ``generated_on`` counts are kept across restarts.
+GENERATED_ON_FILE = "generated_on.json"
 
 
 class Message(BaseModel):
@@ -128,6 +133,12 @@ def build_app(args: argparse.Namespace, token: str) -> web.Application:
         raise SystemExit(f"--temperature must lie in [0, 100], not {args.temperature}")
     engine = args.engine.rstrip("/") if args.engine else None
     model = ReferenceModel(args.instance, engine=engine)
+    counts = Path(args.state_dir) / GENERATED_ON_FILE
+    if engine is not None and counts.exists():
+        try:
+            model.generated_on.update({str(k): int(v) for k, v in json.loads(counts.read_text()).items()})
+        except (OSError, ValueError, AttributeError) as exc:
+            raise SystemExit(f"{counts}: cannot read the generated_on counts: {exc}") from None
     app = _common.build(model, args, token)
     holder: dict[str, aiohttp.ClientSession] = {}
 
@@ -145,6 +156,8 @@ def build_app(args: argparse.Namespace, token: str) -> web.Application:
         action, version = await generate_action(holder["http"], engine, messages, max_tokens=args.max_tokens,
                                                 temperature=args.temperature)
         model.generated_on[version] += 1
+        # Synchronously, in order: a snapshot written later is never an older one.
+        write_atomically(counts, json.dumps(dict(model.generated_on), sort_keys=True).encode())
         return action
 
     async def complete(request: web.Request) -> web.Response:

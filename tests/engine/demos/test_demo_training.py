@@ -19,6 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
+
+from journal import Journal, models
 
 from workers.inference.serving import ReferenceEngineState
 from workers.policy import MODEL_FILE, Policy, encode, save_weights
@@ -87,6 +90,13 @@ async def test_the_rl_demo_learns_through_crashes_applying_every_step_once(journ
     assert f"trainer step counter (step.json): {ROUNDS} (" in out and "== jobs COMPLETE: True" in out
     assert "crashes: 3" in out
     assert out.count("! orchestrator SIGKILLed by its crash hook") == 2 and "! trainer SIGKILLed" in out
+    # The fleet is each orchestrator's stack: launched by all three, the first two runs ended by
+    # their owner's death (the engine gate put each fresh engine on the head: the rounds above).
+    services = await _service_events(journal_url)
+    for name in ("engine", "model", "agent", "resources", "environment"):
+        mine = [(b, reason) for n, b, reason in services if n == name]
+        assert [b for b, _ in mine].count("starting") == 3, mine
+        assert sum(1 for b, reason in mine if b == "failed" and "owner lease" in reason) == 2, mine
     # Every round's rollouts were one batch, submitted by the orchestrator (the demo submits no job);
     # the jobs the crashes interrupted were finished by the next orchestrator, not trained again.
     assert [int(n) for n in re.findall(r"\(batch b(\d+);", out)] == list(range(ROUNDS)), out
@@ -95,3 +105,15 @@ async def test_the_rl_demo_learns_through_crashes_applying_every_step_once(journ
     assert "FROM events WHERE entity_kind = 'training_jobs'" in out and "FROM training_batches" in out
     # Crashes changed nothing: the same actions, rewards and weights as the loop without any.
     assert (per_round, digest(out)) == await in_process(tmp_path / "reference")
+
+
+async def _service_events(url: str) -> list[tuple[str, str, str]]:
+    journal = Journal.open(url)
+    try:
+        e = models.events
+        async with journal.read() as conn:
+            rows = (await conn.execute(sa.select(e.c.entity_id, e.c.to_state, e.c.reason).where(
+                e.c.entity_kind == "services").order_by(e.c.seq))).all()
+        return [(r[0], r[1], r[2]) for r in rows]
+    finally:
+        await journal.dispose()

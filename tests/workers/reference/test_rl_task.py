@@ -1,5 +1,6 @@
 """What the RL demo (``engine/demos/training.py``) adds to the reference servers: the engine's seeded
-sampling, the model participant generating its actions on an engine (``--engine``), and the
+sampling, the model participant generating its actions on an engine (``--engine``; its counts per
+weight version kept across a restart), and the
 resources server's learnable ``--task`` rule. Without these options nothing changes (the other
 tests of this package run the defaults)."""
 
@@ -60,6 +61,12 @@ async def test_the_model_generates_its_actions_on_the_engine(procs: Procs, contr
         status, again = await controller.post(model.url, "/ng-rollout/r2/v1/chat/completions", {"messages": messages})
         assert status == 200 and again["choices"][0]["message"]["content"] == action
         assert (await controller.status(model.url))["generated_on"] == {"initial": 2}
+        # The counts outlive the process (the RL demo reads them after a stack died with its owner).
+        model.kill()
+        model = procs.start("model", tmp_path / "model", "--engine", engine.url)
+        assert (await controller.status(model.url))["generated_on"] == {"initial": 2}
+        status, reply = await controller.post(model.url, "/ng-rollout/r3/v1/chat/completions", {"messages": messages})
+        assert status == 200 and (await controller.status(model.url))["generated_on"] == {"initial": 3}
 
         status, seeded = await controller.post(resources.url, "/ng-rollout/r1/seed_session", {"prompt": "p"})
         assert status == 200, seeded
