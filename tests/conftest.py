@@ -133,27 +133,60 @@ def journal(make_journal: Callable[..., Journal]) -> Journal:
     return make_journal()
 
 
-#: The drills that take minutes each, longest first, in an order that splits them between two
-#: workers (pytest-xdist hands each worker two tests at a time, `--maxschedchunk 2` in the
-#: Makefile): they start at once, and the short tests fill in beside them instead of leaving one
-#: worker alone with a ten-minute drill at the end. Serial order is unaffected but for this.
-LONGEST_FIRST = (
-    "tests/engine/workflows/training/test_crash_points.py::test_every_orchestrator_crash_point_recovers[sqlite]",
-    "tests/engine/workflows/checkpoint/test_checkpoint_crash_points.py::test_every_checkpoint_crash_point_recovers[sqlite]",
-    "tests/engine/workflows/training/test_crash_points.py::test_every_orchestrator_crash_point_recovers[postgresql]",
-    "tests/engine/demos/test_demo_training.py::test_the_rl_demo_learns_through_crashes_applying_every_step_once[postgresql]",
-    "tests/engine/workflows/training/test_crash_points.py::"
-    "test_a_trainer_killed_at_each_point_is_replaced_and_nothing_trains_twice[sqlite]",
-    "tests/engine/demos/test_demo_training.py::test_the_rl_demo_learns_through_crashes_applying_every_step_once[sqlite]",
-    "tests/engine/workflows/checkpoint/test_rollouts_end_to_end.py::"
-    "test_two_hundred_rollouts_survive_two_crashes_of_everything_and_finish_once[postgresql]",
-    "tests/engine/workflows/checkpoint/test_rollouts_end_to_end.py::"
-    "test_two_hundred_rollouts_survive_two_crashes_of_everything_and_finish_once[sqlite]",
-    "tests/engine/runtime/test_crash_recovery.py::test_every_crash_point_recovers[postgresql]",
-    "tests/engine/runtime/test_crash_recovery.py::test_every_crash_point_recovers[sqlite]",
-)
+#: The drills that take minutes each, in two lanes of about equal length (measured in the full suite:
+#: about 570 s each). ``make test`` runs ``--dist loadgroup``: each lane is one ``xdist_group``, so a
+#: worker runs it whole, in this order, and no more than two drills ever run at once (they time their
+#: episodes; three at once on two cores starve them), while the other workers take every other test.
+#: Serial order is unaffected but for putting these first.
+DRILL_LANES: dict[str, tuple[str, ...]] = {
+    "drills-a": (
+        "tests/engine/workflows/training/test_crash_points.py::test_every_orchestrator_crash_point_recovers[sqlite]",
+        "tests/engine/workflows/training/test_crash_points.py::"
+        "test_a_trainer_killed_at_each_point_is_replaced_and_nothing_trains_twice[sqlite]",
+        "tests/engine/workflows/training/test_crash_points.py::"
+        "test_an_engine_killed_at_each_publication_phase_is_brought_to_the_head[sqlite]",
+        "tests/engine/workflows/checkpoint/test_checkpoint_crash_points.py::"
+        "test_every_checkpoint_crash_point_recovers[postgresql]",
+        "tests/engine/demos/test_demo_training.py::test_the_rl_demo_learns_through_crashes_applying_every_step_once[sqlite]",
+        "tests/engine/workflows/training/test_batching_crash_points.py::test_every_batch_crash_point_recovers[postgresql]",
+        "tests/engine/workflows/checkpoint/test_rollouts_end_to_end.py::"
+        "test_two_hundred_rollouts_survive_two_crashes_of_everything_and_finish_once[postgresql]",
+        "tests/engine/workflows/checkpoint/test_rollout_crash_points.py::test_every_rollout_crash_point_recovers[postgresql]",
+    ),
+    "drills-b": (
+        "tests/engine/workflows/training/test_crash_points.py::test_every_orchestrator_crash_point_recovers[postgresql]",
+        "tests/engine/demos/test_demo_training.py::"
+        "test_the_rl_demo_learns_through_crashes_applying_every_step_once[postgresql]",
+        "tests/engine/workflows/checkpoint/test_checkpoint_crash_points.py::test_every_checkpoint_crash_point_recovers[sqlite]",
+        "tests/engine/workflows/training/test_batching_crash_points.py::test_every_batch_crash_point_recovers[sqlite]",
+        "tests/engine/workflows/checkpoint/test_rollouts_end_to_end.py::"
+        "test_two_hundred_rollouts_survive_two_crashes_of_everything_and_finish_once[sqlite]",
+        "tests/engine/workflows/checkpoint/test_rollout_crash_points.py::test_every_rollout_crash_point_recovers[sqlite]",
+    ),
+}
+
+
+def _lanes() -> tuple[dict[str, int], dict[str, str]]:
+    rank, lane_of = {}, {}
+    for lane, nodeids in DRILL_LANES.items():
+        for nodeid in nodeids:
+            rank[nodeid], lane_of[nodeid] = len(rank), lane
+    return rank, lane_of
+
+
+RANK, LANE_OF = _lanes()
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    # Marked as collected, before any pytest_collection_modifyitems: xdist's reads the marks there.
+    if item.nodeid in LANE_OF:
+        item.add_marker(pytest.mark.xdist_group(LANE_OF[item.nodeid]))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    rank = {nodeid: i for i, nodeid in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid, len(rank)))  # stable: the rest keep their order
+    def rank(item: pytest.Item) -> int:
+        nodeid = item.nodeid
+        if nodeid not in RANK and nodeid.rfind("@") > nodeid.rfind("]"):
+            nodeid = nodeid.rpartition("@")[0]  # xdist's loadgroup names the group after an '@'
+        return RANK.get(nodeid, len(RANK))
+    items.sort(key=rank)  # stable: the rest keep their order
