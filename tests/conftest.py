@@ -134,10 +134,10 @@ def journal(make_journal: Callable[..., Journal]) -> Journal:
 
 
 #: The drills that take minutes each, in two lanes of about equal length (measured in the full suite:
-#: about 570 s each). ``make test`` runs ``--dist loadgroup``: each lane is one ``xdist_group``, so a
-#: worker runs it whole, in this order, and no more than two drills ever run at once (they time their
-#: episodes; three at once on two cores starve them), while the other workers take every other test.
-#: Serial order is unaffected but for putting these first.
+#: about 570 s each). ``make test`` runs ``--dist loadgroup``, and :func:`pytest_xdist_make_scheduler`
+#: makes each lane one unit of work: a worker runs it whole, in this order, so no more than two drills
+#: ever run at once (they time their episodes; three at once on two cores starve them), while the
+#: other workers take every other test. Serial order is unaffected but for putting these first.
 DRILL_LANES: dict[str, tuple[str, ...]] = {
     "drills-a": (
         "tests/engine/workflows/training/test_crash_points.py::test_every_orchestrator_crash_point_recovers[sqlite]",
@@ -177,16 +177,21 @@ def _lanes() -> tuple[dict[str, int], dict[str, str]]:
 RANK, LANE_OF = _lanes()
 
 
-def pytest_itemcollected(item: pytest.Item) -> None:
-    # Marked as collected, before any pytest_collection_modifyitems: xdist's reads the marks there.
-    if item.nodeid in LANE_OF:
-        item.add_marker(pytest.mark.xdist_group(LANE_OF[item.nodeid]))
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadgroup`` with the drill lanes as its groups, named here by node id.
+
+    xdist's own loadgroup finds a group by an ``@name`` its workers append to a marked test's node id,
+    which has no effect under pytest 9 (every test was sent alone, and three drills ran at once)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class DrillLanes(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return LANE_OF.get(nodeid, nodeid)
+
+    return DrillLanes(config, log)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    def rank(item: pytest.Item) -> int:
-        nodeid = item.nodeid
-        if nodeid not in RANK and nodeid.rfind("@") > nodeid.rfind("]"):
-            nodeid = nodeid.rpartition("@")[0]  # xdist's loadgroup names the group after an '@'
-        return RANK.get(nodeid, len(RANK))
-    items.sort(key=rank)  # stable: the rest keep their order
+    items.sort(key=lambda item: RANK.get(item.nodeid, len(RANK)))  # stable: the rest keep their order
