@@ -130,14 +130,13 @@ class ExecutorSettingsModel(_Strict):
             raise ValueError(f"options: the {self.backend} backend takes no executor options "
                              f"(got {sorted(self.options)}); Ray actor options need backend ray")
         if self.backend == "http":
-            urls = self.options.get("urls")
-            if not isinstance(urls, list) or len(urls) != self.workers or not all(
-                    isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls):
-                raise ValueError(f"options.urls: the http backend needs one http(s) URL per rank ({self.workers}), "
-                                 f"got {urls!r}")
-            unknown = sorted(set(self.options) - {"urls", "token_env"})
-            if unknown:
-                raise ValueError(f"options: the http backend knows only urls and token_env, not {unknown}")
+            from workers.executor._http import check_http_options  # the executor's own rules, not a copy
+
+            try:
+                check_http_options(self.options, self.workers, where="executor",
+                                   gpus_per_worker=self.gpus_per_worker)
+            except ValueError as exc:
+                raise ValueError(str(exc)) from None
         if self.backend == "uni" and self.workers != 1:
             raise ValueError(f"workers: the uni backend runs exactly one rank (got {self.workers})")
         return self

@@ -25,6 +25,7 @@ import os
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from typing import Any
 
 from workers.executor._base import SubmittingExecutor
@@ -33,7 +34,7 @@ from workers.executor._future import ExecutorFuture
 from workers.executor._mp_child import RemoteWorkerError
 from workers.executor._spec import ExecutorConfig, ExecutorConfigError, ExecutorLaunchError
 
-__all__ = ["HttpExecutor", "ServedWorkerError", "validate_http_options"]
+__all__ = ["HttpExecutor", "ServedWorkerError", "check_http_options"]
 
 #: The fields a served typed error carries back (workers.executor.serve sends these only).
 FIELDS = ("field", "value", "rule", "path")
@@ -59,24 +60,28 @@ class ServedWorkerError(RemoteWorkerError):
                              self.remote_mro, self.fields))
 
 
-def validate_http_options(config: ExecutorConfig) -> tuple[list[str], str | None]:
-    """The ranks' URLs and the token's variable, or ``ExecutorConfigError`` naming the option."""
-    unknown = sorted(set(config.options) - {"urls", "token_env"})
+def check_http_options(options: Mapping[str, Any], ranks: int, *, where: str = "ExecutorConfig",
+                       gpus_per_worker: float = 0, node_id: str | None = None) -> tuple[list[str], str | None]:
+    """The http backend's rules, in one place for the executor and the configuration: the ranks'
+    URLs (one http(s) URL per rank, a trailing ``/`` dropped) and the token's variable, or
+    ``ExecutorConfigError`` naming the option under ``where`` (``training.executor`` reads
+    ``options.urls[1]``)."""
+    unknown = sorted(set(options) - {"urls", "token_env"})
     if unknown:
-        raise ExecutorConfigError("ExecutorConfig.options", dict(config.options),
+        raise ExecutorConfigError(f"{where}.options", dict(options),
                                   f"the http backend knows only 'urls' and 'token_env', not {unknown}")
-    urls = config.options.get("urls")
-    if not isinstance(urls, (list, tuple)) or len(urls) != len(config.workers) or not urls:
-        raise ExecutorConfigError("ExecutorConfig.options.urls", urls,
-                                  f"one URL per rank ({len(config.workers)} workers)")
+    urls = options.get("urls")
+    if not isinstance(urls, (list, tuple)) or len(urls) != ranks or not urls:
+        counted = f"{ranks} rank{'' if ranks == 1 else 's'}"
+        raise ExecutorConfigError(f"{where}.options.urls", urls, f"one http(s) URL per rank ({counted})")
     for rank, url in enumerate(urls):
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise ExecutorConfigError(f"ExecutorConfig.options.urls[{rank}]", url, "must be an http(s) URL")
-    token_env = config.options.get("token_env")
+            raise ExecutorConfigError(f"{where}.options.urls[{rank}]", url, "must be an http(s) URL")
+    token_env = options.get("token_env")
     if token_env is not None and (not isinstance(token_env, str) or not token_env):
-        raise ExecutorConfigError("ExecutorConfig.options.token_env", token_env, "must name a variable")
-    if config.node_id is not None or config.gpus_per_worker:
-        raise ExecutorConfigError("ExecutorConfig", "node_id/gpus_per_worker",
+        raise ExecutorConfigError(f"{where}.options.token_env", token_env, "must name a variable")
+    if node_id is not None or gpus_per_worker:
+        raise ExecutorConfigError(where, "node_id/gpus_per_worker",
                                   "the http backend places nothing: the services own their devices")
     return [u.rstrip("/") for u in urls], token_env
 
@@ -87,7 +92,9 @@ class HttpExecutor(SubmittingExecutor):
     backend = "http"
 
     def _init_executor(self) -> None:
-        self._urls, token_env = validate_http_options(self.config)
+        self._urls, token_env = check_http_options(self.config.options, len(self.config.workers),
+                                                   gpus_per_worker=self.config.gpus_per_worker,
+                                                   node_id=self.config.node_id)
         self._token: str | None = None
         if token_env is not None:
             self._token = os.environ.get(token_env) or None

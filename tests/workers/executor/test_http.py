@@ -177,7 +177,7 @@ def test_a_body_that_is_not_a_call_is_refused_naming_the_field(served: list[Serv
 @pytest.mark.parametrize(("options", "rule"), [
     ({}, "options.urls"),
     ({"urls": ["ftp://x"]}, r"options\.urls\[0\]"),
-    ({"urls": ["http://a", "http://b"]}, "one URL per rank"),
+    ({"urls": ["http://a", "http://b"]}, r"one http\(s\) URL per rank \(1 rank\)"),
     ({"urls": ["http://a"], "pool": 3}, "knows only 'urls' and 'token_env'"),
 ])
 def test_bad_options_are_refused_before_anything_is_called(options: dict[str, object], rule: str) -> None:

@@ -160,11 +160,13 @@ def test_executor_options_and_backends_are_checked(tmp_path: Path) -> None:
     assert "training.executor.backend" in said and "gone.module" in said
     # The trainer as a service: one http(s) URL per rank, and only the http backend's own options.
     said = refused(tmp_path, "  executor: {backend: http, workers: 2, options: {urls: ['http://a:1']}}\n")
-    assert "training.executor" in said and "options.urls" in said and "one http(s) URL per rank (2)" in said
+    assert "training.executor" in said and "options.urls" in said and "one http(s) URL per rank (2 ranks)" in said
     said = refused(tmp_path, "  executor: {backend: http, options: {urls: ['ftp://a']}}\n")
-    assert "options.urls" in said and "ftp://a" in said
+    assert "options.urls[0]" in said and "ftp://a" in said and "must be an http(s) URL" in said
     said = refused(tmp_path, "  executor: {backend: http, options: {urls: ['http://a:1'], pool: 2}}\n")
-    assert "knows only urls and token_env" in said and "pool" in said
+    assert "knows only 'urls' and 'token_env'" in said and "pool" in said
+    said = refused(tmp_path, "  executor: {backend: http, gpus_per_worker: 1, options: {urls: ['http://a:1']}}\n")
+    assert "the http backend places nothing" in said
     said = refused(tmp_path, "  executor: threads\n")
     assert "training.executor.backend" in said and "'threads'" in said
     said = refused(tmp_path, "  executor: {backend: mp, workers: 0}\n")
