@@ -268,7 +268,9 @@ async def run(args: argparse.Namespace) -> int:
     config.write_text(yaml.safe_dump({
         "journal": {"url": journal_url},
         "api": {"port": api_port},
-        "orchestrator": {"lease_ttl_s": 2, "lease_renew_s": 0.5, "shutdown_grace_s": 2},
+        # A leader that misses its renewals steps down and stops its stack: 4 s rides out a loaded
+        # machine; each crash's successor waits that long for the lease.
+        "orchestrator": {"lease_ttl_s": 4, "lease_renew_s": 0.5, "shutdown_grace_s": 2},
         "reconciler": {"resync_interval_s": 1},
         # A probe that times out under load marks a participant unreachable, and no rollout is
         # dispatched to it until a probe answers: reprobed every 5 s at most, not on the default

@@ -41,9 +41,20 @@ def test_the_demo_continues_every_episode_without_repeating_a_step(journal_url: 
         mine = [(a, b, reason) for k, name, a, b, reason, _ in events if k == "services" and name == kind]
         assert [b for _, b, _ in mine].count("starting") == 2, mine
         assert any(a == "ready" and b == "failed" and "owner lease" in reason for a, b, reason in mine), mine
-    seqs = {(k, name, b): seq for k, name, _, b, _, seq in events}
-    last_ready = max(seq for k, name, a, b, _, seq in events if k == "services" and b == "ready")
-    assert seqs[("restores", "rs-demo", "resuming")] > last_ready, events
+    # The restore went on only once the next orchestrator's stack was whole: the first moment after
+    # its request at which every service was ready again (a later rebuild, by the health monitor or a
+    # lease lost on a loaded machine, does not move it).
+    requested = next(seq for k, name, _, b, _, seq in events if k == "restores" and b == "restoring")
+    up: set[str] = set()
+    whole = None
+    for k, name, _, b, _, seq in events:
+        if k == "services" and seq > requested and b == "ready":
+            up.add(name)
+            if len(up) == 4:
+                whole = seq
+                break
+    resumed = next(seq for k, name, _, b, _, seq in events if k == "restores" and b == "resuming")
+    assert whole is not None and resumed > whole, events
 
 
 async def _events(url: str) -> list[tuple[str, str, str | None, str, str, int]]:

@@ -91,12 +91,14 @@ async def test_the_rl_demo_learns_through_crashes_applying_every_step_once(journ
     assert "crashes: 3" in out
     assert out.count("! orchestrator SIGKILLed by its crash hook") == 2 and "! trainer SIGKILLed" in out
     # The fleet is each orchestrator's stack: launched by all three, the first two runs ended by
-    # their owner's death (the engine gate put each fresh engine on the head: the rounds above).
+    # their owner's death (the engine gate put each fresh engine on the head: the rounds above). A
+    # leader that lost its lease under load stops its stack and brings it up again when it leads
+    # again: one launch more, and the demo still holds.
     services = await _service_events(journal_url)
     for name in ("engine", "model", "agent", "resources", "environment"):
         mine = [(b, reason) for n, b, reason in services if n == name]
-        assert [b for b, _ in mine].count("starting") == 3, mine
-        assert sum(1 for b, reason in mine if b == "failed" and "owner lease" in reason) == 2, mine
+        assert [b for b, _ in mine].count("starting") >= 3, mine
+        assert sum(1 for b, reason in mine if b == "failed" and "owner lease" in reason) >= 2, mine
     # Every round's rollouts were one batch, submitted by the orchestrator (the demo submits no job);
     # the jobs the crashes interrupted were finished by the next orchestrator, not trained again.
     assert [int(n) for n in re.findall(r"\(batch b(\d+);", out)] == list(range(ROUNDS)), out
