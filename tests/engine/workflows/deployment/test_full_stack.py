@@ -9,7 +9,9 @@ participants while a job trains on the served trainer and publishes to both engi
 service is SIGKILLed, the stack is rebuilt, and the next job trains on the previous job's checkpoint
 (a fresh process, put back on the latest step) and publishes, with every engine having generated on
 committed heads only, each after being paused and loaded; ``tidelog down`` stops dependents first and
-leaves no process of the stack's process groups."""
+leaves no process of the stack's process groups. Then, in another stack, a trainer and a participant
+each SIGKILLed while a publication is held at its load on an engine (a test-only hanging request):
+the stack is rebuilt, the job publishes without training again, and the rollouts in flight finish."""
 
 from __future__ import annotations
 
@@ -219,3 +221,89 @@ async def test_the_whole_deployment_as_one_stack(journal_url: str, tmp_path: Pat
     logs = [info["log"], *sorted((tmp_path / "run").glob("*.log")), *sorted((tmp_path / "run").glob("*.worker.json"))]
     assert all(SECRET not in p.read_text() and TOKEN not in p.read_text() for p in logs)
     assert all(SECRET not in json.dumps(e, default=str) for e in await events(journal_url))
+
+
+def hang_next_load(engine_url: str) -> None:
+    """Arm the engine's test-only fault: its next ``/update_weights_from_disk`` hangs (then fails,
+    acting on nothing), so a publication is held at its load step on this engine."""
+    req = urllib.request.Request(engine_url + "/_test/fail_next", method="POST", headers={
+        "Content-Type": "application/json"}, data=json.dumps({
+            "path": "/update_weights_from_disk", "mode": "hang", "seconds": 120}).encode())
+    with urllib.request.urlopen(req, timeout=10):
+        pass
+
+
+def publishing(info: dict[str, Any], engine_url: str, timeout: float = 180.0) -> str:
+    """Wait until a job is ``UPDATING_WEIGHTS`` with its load on ``engine_url`` under way (the armed
+    fault taken by the request, which now hangs); the job's id."""
+    end = time.monotonic() + timeout
+    while True:
+        jobs = [j for j in get(info, "/v1/jobs?limit=100")["jobs"] if j["state"] == "UPDATING_WEIGHTS"]
+        if jobs and not http_json(engine_url + "/get_server_info")["armed_faults"]:
+            return str(jobs[0]["id"])
+        assert time.monotonic() < end, f"no publication reached its load: {get(info, '/v1/jobs?limit=100')}"
+        time.sleep(0.02)
+
+
+def until_complete(info: dict[str, Any], job_id: str, timeout: float = 180.0) -> dict[str, Any]:
+    end = time.monotonic() + timeout
+    while True:
+        row: dict[str, Any] = get(info, f"/v1/jobs/{job_id}")
+        if row["state"] in ("COMPLETE", "REJECTED", "FAILED"):
+            return row
+        assert time.monotonic() < end, f"job {job_id} did not end: {row}"
+        time.sleep(0.1)
+
+
+async def test_a_trainer_then_a_participant_killed_during_a_publication(journal_url: str, tmp_path: Path) -> None:
+    """Each publication is held at its load on e0 (a hanging request), and then a service of another
+    kind is SIGKILLed: the trainer during job 1's, the environment participant during job 2's, with
+    rollouts in flight. Each time the whole stack is rebuilt, the job still publishes (its step is not
+    trained again), the rollouts finish, and every engine process generated on committed heads only,
+    each after being paused and loaded."""
+    services, sections = stack_config(tmp_path)
+    with serve(journal_url, tmp_path, services, **sections) as info:
+        rows = {r["name"]: r for r in wait_stack(info, "ready", timeout=180)["services"]}
+        assert ready(info)
+        heads: set[str] = set()
+        tasks = [{"rollout_id": f"r{i}", "input": {"prompt": f"task {i}", "turns": 3}} for i in range(4)]
+        for salt, victim in ((1, "trainer"), (2, "environment")):
+            hang_next_load(rows["e0"]["endpoint"])
+            job_id = post(info, "/v1/jobs", {"payload": payload(salt)})["job"]["id"]
+            if victim == "environment":
+                post(info, "/v1/rollouts", {"tasks": tasks})
+            assert publishing(info, rows["e0"]["endpoint"]) == job_id
+            old = rows[victim]["pids"]["service"]
+            os.kill(old, signal.SIGKILL)
+            done = until_complete(info, job_id)
+            rows = until_rebuilt(info, victim)
+            assert rows[victim]["pids"]["service"] != old
+            assert done["state"] == "COMPLETE" and done["metrics"]["step"] == salt, done
+            heads.add(done["runtime_load_id"])
+            for name in ("e0", "e1"):
+                assert http_json(f"{rows[name]['endpoint']}/get_weight_version")["weight_version"] == done[
+                    "runtime_load_id"], name
+                # A process of the rebuild: its whole life. Paused first; generating only on committed
+                # heads, and only after loading one.
+                history = http_json(f"{rows[name]['endpoint']}/_test/history")["history"]
+                moves = [event for event, _, _ in history]
+                assert moves and moves[0] == "pause", (name, history)
+                continued = [version for event, version, _ in history if event == "continue"]
+                assert continued and set(continued) <= heads, (name, history)
+                first_continue = moves.index("continue")
+                assert any(ev == "load" and v in heads for ev, v, _ in history[:first_continue]), (name, history)
+        # The trainer's step record: two steps, each job's once (job 1's was not trained again by the
+        # fresh trainer that finished its publication).
+        assert json.loads((tmp_path / "trainer" / "step.json").read_text())["step"] == 2
+        end = time.monotonic() + 120
+        while len(rollouts(info, "finished")) + len(rollouts(info, "forgotten")) < len(tasks):
+            assert not rollouts(info, "failed"), rollouts(info, "failed")
+            assert time.monotonic() < end, f"rollouts did not finish: {get(info, '/v1/rollouts?limit=100')}"
+            time.sleep(0.1)
+        assert ready(info)
+        # The journal: each failed service was restarted once; every service was launched three times.
+        seen = await events(journal_url)
+        restarted = sorted(e["entity_id"] for e in seen if e["to_state"] == "restarting")
+        assert restarted == ["environment", "trainer"], restarted
+        launched = {n: sum(1 for e in seen if e["entity_id"] == n and e["to_state"] == "starting") for n in services}
+        assert launched == dict.fromkeys(services, 3), launched
