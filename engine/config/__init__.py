@@ -141,6 +141,10 @@ class CheckpointWorkflowSettings(_Strict):
     restore_timeout_s: float = Field(default=120.0, gt=0, le=86_400)
     retire_timeout_s: float = Field(default=60.0, gt=0, le=86_400)
     max_tries: int = Field(default=3, ge=1, le=100)
+    #: After each rebuild of the deployment's stack, restore the participants from the latest
+    #: checkpoint in ``directory``: its episodes still on their checkpointed attempt continue from
+    #: their boundary instead of starting over (docs/deployment.md, section 5).
+    restore_after_rebuild: bool = True
 
 
 class RolloutsSettings(_Strict):

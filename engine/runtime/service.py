@@ -88,7 +88,7 @@ class Orchestrator:
         register_kinds(self.journal.kinds, self.workflows)
         given = list(controllers or [])
         deps = Deps(settings, self.rpc, self.metrics, self.clock, frozenset(c.kind for c in given),
-                    write=self.committer.run, holder=self.holder, read=self.journal.read)
+                    write=self.committer.run, holder=self.holder, read=self.journal.read, rebuilt=self._rebuilt)
         #: Each built family's parts, by workflow name (a family its settings leave off is absent).
         self.parts: dict[str, Parts] = {}
         skip = set(unbuilt)
@@ -181,6 +181,12 @@ class Orchestrator:
         if not self.is_leader:
             return True
         return len(self._work) >= 2 and not any(t.done() for t in self._work)
+
+    async def _rebuilt(self, why: str) -> None:
+        """A stack is rebuilt (:attr:`Deps.rebuilt`): each built family's ``on_rebuild``, in order."""
+        for parts in self.parts.values():
+            if parts.on_rebuild is not None:
+                await parts.on_rebuild(why)
 
     async def not_ready(self) -> str | None:
         """Why a built family is not ready (``/readyz``), or ``None``."""

@@ -60,6 +60,9 @@ class Deps:
     holder: str = ""
     #: A read transaction of the journal (``journal.read``).
     read: Callable[[], Any] | None = None
+    #: What a stack rebuild calls (the deployment family) once the old processes are confirmed gone
+    #: and before the new ones start, with why it rebuilds: every built family's ``on_rebuild``.
+    rebuilt: Callable[[str], Awaitable[None]] | None = None
 
 
 @dataclass
@@ -76,6 +79,9 @@ class Parts:
     - ``before_stop``: awaited when the orchestrator stops while it leads, before the loops drain
       (its writes still go through); e.g. stopping what ``run`` started, in order.
     - ``not_ready``: why ``/readyz`` answers 503 for this family (``None``: ready).
+    - ``on_rebuild``: awaited by a stack rebuild (:attr:`Deps.rebuilt`) with its reason, once the
+      old processes are gone and before the new ones start: what a family does about the work
+      they held (the checkpoint family asks for the restore of the latest checkpoint).
     """
 
     controllers: Sequence[Controller] = ()
@@ -86,6 +92,7 @@ class Parts:
     run: Callable[[], Coroutine[Any, Any, None]] | None = None
     before_stop: Callable[[], Awaitable[None]] | None = None
     not_ready: Callable[[], Awaitable[str | None]] | None = None
+    on_rebuild: Callable[[str], Awaitable[None]] | None = None
 
 
 @dataclass(frozen=True)

@@ -165,8 +165,26 @@ def resolve_checkpoint(checkpoint_dir: str, checkpoint_id: str | None = None) ->
     return checkpoint_id, list(manifest["scope"])
 
 
+async def still_on_their_attempt(tx: WriteTx, scope: list[str]) -> list[str]:
+    """The capture keys of ``scope`` whose rollout the journal holds on that very attempt and not
+    ended (:data:`CONTINUED`): what a restore after a crash can continue. A rollout that has moved
+    past its checkpointed attempt, ended, or is not the journal's is left to its own lineage."""
+    wanted: dict[str, list[tuple[str, int]]] = {}
+    for key in scope:
+        episode = EpisodeId.from_capture_key(key)
+        wanted.setdefault(episode.rollout_id, []).append((key, episode.attempt))
+    t = models.rollouts
+    ids = sorted(wanted)
+    kept: list[str] = []
+    for i in range(0, len(ids), 500):  # bounded IN lists (SQLite's variable limit)
+        for rid, attempt in (await tx.execute(sa.select(t.c.id, t.c.attempt).where(
+                t.c.id.in_(ids[i:i + 500]), t.c.state.in_(CONTINUED)))).all():
+            kept += [key for key, captured in wanted[rid] if captured == attempt]
+    return sorted(kept)
+
+
 async def start_restore(tx: WriteTx, restore_id: str, checkpoint_dir: str, checkpoint_id: str,
-                        scope: list[str], *, deadline_ts: float | None = None) -> None:
+                        scope: list[str], *, deadline_ts: float | None = None, reason: str | None = None) -> None:
     """Create the ``restores`` row in ``restoring``: restore ``checkpoint_id`` (published under
     ``checkpoint_dir``) for the episodes ``scope`` names. Without ``deadline_ts`` the restore's
     deadline is its creation plus ``restore_timeout_s``. Raises ``ValueError`` for an invalid
@@ -184,7 +202,7 @@ async def start_restore(tx: WriteTx, restore_id: str, checkpoint_dir: str, check
         for rid in ended:
             wanted.pop(rid, None)
     scope = list(wanted.values())
-    await tx.create(KIND, restore_id, reason=f"restore of checkpoint {checkpoint_id} requested",
+    await tx.create(KIND, restore_id, reason=reason or f"restore of checkpoint {checkpoint_id} requested",
                     values={"checkpoint_id": checkpoint_id, "checkpoint_dir": checkpoint_dir,
                             "scope": sorted(set(scope)), "deadline_ts": deadline_ts})
 
@@ -368,4 +386,4 @@ class RestoreController(BaseController):
 
 
 __all__ = ["LATEST_LIMIT", "MANIFEST_LIMIT", "RESUME_ORDER", "CheckpointNotFound", "read_latest", "read_manifest", "RestoreController", "RestoreSettings", "resolve_checkpoint",
-           "start_restore"]
+           "start_restore", "still_on_their_attempt"]

@@ -17,6 +17,7 @@ from engine.workflows.checkpoint.api import add_workflow_routes
 from engine.workflows.checkpoint.checkpoint import CheckpointController, CheckpointTimeouts
 from engine.workflows.checkpoint.cli import add_commands as add_checkpoint_commands
 from engine.workflows.checkpoint.names import STAGE_NAMES
+from engine.workflows.checkpoint.after_rebuild import AfterRebuild
 from engine.workflows.checkpoint.restore import RestoreController, RestoreSettings
 from engine.workflows.checkpoint.retirement import RetirementController, RetirementSettings
 from engine.workflows.checkpoint.rollouts import RolloutController, RolloutSettings
@@ -45,7 +46,11 @@ def build(deps: Deps) -> Parts:
         RestoreController(RestoreSettings(c.restore_timeout_s, c.resume_timeout_s)),
         RetirementController(RetirementSettings(c.retire_timeout_s)),
         rollouts]
-    return Parts(controllers=controllers, on_lost=rollouts.lost)
+    after = None
+    if c.restore_after_rebuild and deps.write is not None and deps.read is not None:
+        after = AfterRebuild(deps.write, deps.read, c.directory)
+    return Parts(controllers=controllers, on_lost=rollouts.lost, on_rebuild=None if after is None else after.restore,
+                 not_ready=None if after is None else after.held)
 
 
 def routes(app: web.Application, orch: Orchestrator, mutating: Callable[[Handler], Handler]) -> None:

@@ -15,9 +15,10 @@ writer of the rows. Invariants:
   stops everything that was started, dependents first, and leaves readiness absent with the reason
   in the journal. A rebuild that fails to start ends the same way: the supervisor stops.
 - Managed recovery: a service that exits once the stack was ready removes readiness, stops every
-  other service (their groups confirmed gone), waits the policy's delay (interruptible by a stop or
-  ``tidelog down``) and brings the stack up again from the configuration; readiness returns only
-  when every service is ready again. Past the policy (:mod:`.policy`), or when a process group
+  other service (their groups confirmed gone), tells the other families (``Deps.rebuilt``: the
+  checkpoint family asks for a restore of the latest checkpoint, and holds readiness until it has
+  ended), waits the policy's delay (interruptible by a stop or ``tidelog down``) and brings the
+  stack up again from the configuration; readiness returns only when every service is ready again. Past the policy (:mod:`.policy`), or when a process group
   cannot be confirmed gone, the supervisor stops with readiness absent and the reason recorded.
 - Shutdown stops each service only after every service depending on it, and tries every one even
   when some fail.
@@ -31,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Literal
 
@@ -65,8 +66,11 @@ class Stack:
     """The stack of one orchestrator (see the module docstring)."""
 
     def __init__(self, plan: Plan, holder: str, clock: Clock,
-                 journal_read: Callable[[], AbstractAsyncContextManager[Any]] | None = None) -> None:
+                 journal_read: Callable[[], AbstractAsyncContextManager[Any]] | None = None, *,
+                 rebuilt: Callable[[str], Awaitable[None]] | None = None) -> None:
         self.plan, self.holder, self.clock = plan, holder, clock
+        #: Awaited once a rebuild's old processes are gone, before the new ones start (``Deps.rebuilt``).
+        self.rebuilt = rebuilt
         #: A read transaction of the journal (for :meth:`held`); ``None``: the process view only.
         self.journal_read = journal_read
         self.write: rows.Write | None = None
@@ -367,6 +371,10 @@ class Stack:
                                                  f"cleanup failed ({'; '.join(failures)})")
             log.error("%s", self.reason)
             return
+        if self.rebuilt is not None:
+            # The old processes are gone, the new ones not started: what they held in flight is lost
+            # (the checkpoint family asks for the restore of the latest checkpoint here).
+            await self.rebuilt(f"service {name} failed: {why}")
         await rows.move(self.write, name, "restarting",
                         f"restart {n} of at most {self.policy.max_restarts} within {self.policy.window_s:g} s, "
                         f"in {delay:g} s", only_from=frozenset({"failed"}), count_restart=True)

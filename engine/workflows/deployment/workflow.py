@@ -23,7 +23,7 @@ def build(deps: Deps) -> Parts | None:
     t = deps.settings.training
     engines = {e.name: e.url for e in t.engines} if t.enabled else None
     stack = Stack(Plan.build(settings, engines=engines, deployment=t.deployment), deps.holder, deps.clock,
-                  deps.read)
+                  deps.read, rebuilt=deps.rebuilt)
     write = deps.write
 
     async def run() -> None:

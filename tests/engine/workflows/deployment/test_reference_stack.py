@@ -2,7 +2,9 @@
 come up in dependency order wired by ``${endpoints.X}``, the orchestrator dispatches rollouts to
 them, and a participant SIGKILLed while rollouts run is rebuilt with the whole stack; dispatch holds
 from the failure until every service is ready again (no attempt is sent in between, as the events
-show), and every rollout still finishes."""
+show), and every rollout still finishes. After a checkpoint, such a rebuild also restores the
+participants from it before readiness returns, and the checkpointed episodes continue from their
+boundaries."""
 
 from __future__ import annotations
 
@@ -18,8 +20,10 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
+from engine.demos.checkpoint import all_steps, checkpointed_steps
 from journal import Journal, models
 from tests.engine.workflows.deployment.test_stack import ROOT, TOKEN, events, get, serve, service_port, wait_stack
+from workers.protocol import EpisodeId
 
 pytestmark = pytest.mark.slow
 KINDS = ("model", "resources", "agent", "environment")
@@ -137,3 +141,80 @@ async def test_a_killed_participant_rebuilds_the_stack_and_dispatch_holds_meanwh
     assert cut, f"no attempt was in flight when {victim} died: {trail}"
     again = {rid for seq, rid, _, to, _ in trail if to == "dispatched" and seq > ready_again}
     assert cut <= again, f"{sorted(cut - again)} were not dispatched again after the rebuild: {trail}"
+
+
+async def test_a_rebuild_restores_the_participants_from_the_latest_checkpoint(journal_url: str,
+                                                                              tmp_path: Path) -> None:
+    """A checkpoint is taken mid-episode; then the environment is SIGKILLed. The rebuild asks for
+    the restore of that checkpoint (``deployment.restore_after_rebuild``, on by default) once the old
+    processes are gone and before the new ones start; the restore waits for the rebuilt stack, no
+    attempt is sent while it is open, readiness returns only after it, and every checkpointed episode
+    continues from its boundary as its next attempt: no environment step before the boundary runs
+    again, none is lost."""
+    services, participants = reference_stack(tmp_path)
+    turns = 5
+    with serve(journal_url, tmp_path, services, participants=participants,
+               deployment={"recovery": {"delays_s": [0.5]}},
+               discovery={"probe_timeout_s": 2, "interval_s": 0.5, "max_backoff_s": 0.5},
+               checkpoint={"directory": str(tmp_path / "ckpts")}) as info:
+        rows = {r["name"]: r for r in wait_stack(info, "ready")["services"]}
+        tasks = [{"rollout_id": f"r{i}", "input": {"prompt": f"task {i}", "turns": turns}} for i in range(4)]
+        post(info, "/v1/rollouts", {"tasks": tasks})
+        end = time.monotonic() + 30
+        while not started(participants):
+            assert time.monotonic() < end, "no episode made a step"
+            time.sleep(0.05)
+        checkpoint_id = post(info, "/v1/checkpoints", {})["checkpoint_id"]
+        end = time.monotonic() + 60
+        while (ckpt := get(info, f"/v1/checkpoints/{checkpoint_id}"))["state"] not in ("done", "aborted", "failed"):
+            assert time.monotonic() < end, ckpt
+            time.sleep(0.05)
+        assert ckpt["state"] == "done", ckpt
+        os.kill(rows["environment"]["pids"]["service"], signal.SIGKILL)
+        end = time.monotonic() + 120
+        while len(rollouts(info, "finished")) + len(rollouts(info, "forgotten")) < len(tasks):
+            assert not rollouts(info, "failed"), rollouts(info, "failed")
+            assert time.monotonic() < end, f"rollouts did not finish: {get(info, '/v1/rollouts?limit=100')}"
+            time.sleep(0.1)
+        with urllib.request.urlopen(urllib.request.Request(
+                f"{rows['environment']['endpoint']}/ng-control/v1/checkpoint/status",
+                headers={"Authorization": f"Bearer {TOKEN}"}), timeout=5) as resp:
+            executions = json.loads(resp.read())["executions"]  # the rebuilt environment's own
+        final = {r["id"]: r for r in rollouts(info, "forgotten") + rollouts(info, "finished")}
+    journal = Journal.open(journal_url)
+    try:
+        async with journal.read() as conn:
+            r, e = models.restores, models.events
+            restores = (await conn.execute(sa.select(r))).all()
+            trail = [(x.seq, x.entity_kind, x.entity_id, x.from_state, x.to_state, x.reason) for x in (
+                await conn.execute(sa.select(e).where(e.c.entity_kind.in_(["rollouts", "services", "restores"]))
+                                   .order_by(e.c.seq))).all()]
+    finally:
+        await journal.dispose()
+    assert len(restores) == 1, restores
+    restore = restores[0]
+    assert restore.id.startswith("rs-rebuild-") and restore.state == "done" and restore.checkpoint_id == checkpoint_id
+    assert restore.scope, "no episode of the checkpoint was continued"
+    seq = {(kind, eid, to): s for s, kind, eid, _, to, _ in reversed(trail)}  # the first of each
+    created = seq[("restores", restore.id, "restoring")]
+    failed = seq[("services", "environment", "failed")]
+    relaunched = [s for s, kind, eid, _, to, _ in trail if kind == "services" and eid == "environment"
+                  and to == "starting" and s > failed][0]
+    assert failed < created < relaunched, (failed, created, relaunched)
+    assert "the stack is rebuilt (service environment failed" in next(
+        reason for s, _, _, _, _, reason in trail if s == created)
+    # No attempt was sent while the restore was open.
+    finished = next(s for s, kind, eid, _, to, _ in trail if kind == "restores" and to == "done")
+    sent = [s for s, kind, _, _, to, _ in trail if kind == "rollouts" and to == "dispatched"]
+    assert not [s for s in sent if failed < s < finished], (failed, finished, sent)
+    # Every continued episode finished as its next attempt, from its boundary: the steps the
+    # checkpoint kept did not run again and none was lost.
+    kept = checkpointed_steps(Path(ckpt["checkpoint_dir"]) / checkpoint_id)
+    for key in restore.scope:
+        episode = EpisodeId.from_capture_key(key)
+        assert final[episode.rollout_id]["attempt"] == episode.attempt + 1, final[episode.rollout_id]
+        ran = executions.get(episode.next_attempt().capture_key, {})
+        before = kept.get(episode.rollout_id, set())
+        assert not set(ran) & before, (key, sorted(set(ran) & before))
+        assert all(n == 1 for n in ran.values()), (key, ran)
+        assert set(ran) | before == all_steps(turns), (key, sorted(all_steps(turns) - set(ran) - before))
