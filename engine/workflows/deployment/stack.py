@@ -18,8 +18,9 @@ writer of the rows. Invariants:
   other service (their groups confirmed gone), tells the other families (``Deps.rebuilt``: the
   checkpoint family asks for a restore of the latest checkpoint, and holds readiness until it has
   ended), waits the policy's delay (interruptible by a stop or ``tidelog down``) and brings the
-  stack up again from the configuration; readiness returns only when every service is ready again. Past the policy (:mod:`.policy`), or when a process group
-  cannot be confirmed gone, the supervisor stops with readiness absent and the reason recorded.
+  stack up again from the configuration; readiness returns only when every service is ready again.
+  Past the policy (:mod:`.policy`), or when a process group cannot be confirmed gone, the
+  supervisor stops with readiness absent and the reason recorded.
 - Shutdown stops each service only after every service depending on it, and tries every one even
   when some fail.
 - Rows a previous owner left live are taken for dead once their process groups are confirmed gone
