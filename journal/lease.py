@@ -21,6 +21,9 @@ from .commits import Fence
 from .database import Journal
 from .errors import LeaseLost
 
+#: The orchestrator's lease: whoever holds it leads (``engine.runtime.leader``).
+ORCHESTRATOR = "orchestrator"
+
 
 @dataclass(frozen=True)
 class LeaseState:

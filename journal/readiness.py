@@ -15,6 +15,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from . import models
+from .lease import ORCHESTRATOR
 
 #: ``engines`` states of an engine the gate has not (yet) put on the committed head since its launch.
 UNGATED = ("registered", "unverified", "unreachable")
@@ -32,6 +33,19 @@ async def deployment_held(conn: Any, *, engines: bool = True) -> str | None:
         s.c.desired != "removed", s.c.state != "ready").order_by(s.c.id).limit(1))).first()
     if row is not None:
         return f"the deployment is not ready (service {row.id} is {row.state})"
+    # A row last moved under an earlier lease epoch says what a previous leader saw: right after an
+    # election its processes may be gone while it still reads "ready", until the new leader's
+    # stack has taken it over (confirmed the old group gone and launched it again).
+    e, lease = models.events, models.leases
+    latest = (sa.select(e.c.epoch).where(e.c.entity_kind == "services", e.c.entity_id == s.c.id)
+              .order_by(e.c.seq.desc()).limit(1).correlate(s).scalar_subquery())
+    epoch = sa.select(lease.c.epoch).where(lease.c.name == ORCHESTRATOR).scalar_subquery()
+    stale = (await conn.execute(sa.select(s.c.id).where(
+        s.c.desired != "removed", epoch.is_not(None), latest.is_distinct_from(epoch)).order_by(s.c.id)
+        .limit(1))).scalar()
+    if stale is not None:
+        return (f"the deployment is not ready (service {stale} was ready under a previous leader and is not "
+                f"taken over yet)")
     if not engines:
         return None
     e = models.engines

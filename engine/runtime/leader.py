@@ -21,7 +21,7 @@ from engine.runtime.clock import Clock
 
 log = logging.getLogger("tidelog.leader")
 
-LEASE_NAME = "orchestrator"
+LEASE_NAME = lease.ORCHESTRATOR
 
 
 class Leader:
