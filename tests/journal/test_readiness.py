@@ -5,10 +5,11 @@ waits for a participant the stack serves to be probed healthy again, and ignores
 
 from __future__ import annotations
 
-import asyncio
+from collections.abc import Callable
 
 from journal import Journal, lease
 from journal.readiness import deployment_held, participants_held
+from tests.support.journal_state import FakeClock
 
 
 async def _service(journal: Journal, name: str, state: str, *, engine: str | None = None,
@@ -92,17 +93,20 @@ async def test_a_restore_waits_for_the_stack_and_its_participants_probed_healthy
     assert await _restore_held(journal) is None
 
 
-async def test_a_row_ready_under_a_previous_leader_holds_until_the_new_one_moves_it(journal: Journal) -> None:
+async def test_a_row_ready_under_a_previous_leader_holds_until_the_new_one_moves_it(
+        make_journal: Callable[..., Journal], clock: FakeClock) -> None:
     """Right after an election the rows still say what the previous leader saw: ``ready`` rows whose
-    last move was under an earlier epoch hold, until the new leader's stack moves them again."""
-    first = await lease.acquire(journal, lease.ORCHESTRATOR, "orch-a", 1.0)
+    last move was under an earlier epoch hold, until the new leader's stack moves them again. The
+    lease lapses on the journal's injectable clock, not by waiting."""
+    journal = make_journal(clock=clock)
+    first = await lease.acquire(journal, lease.ORCHESTRATOR, "orch-a", 5.0)
     assert first is not None
     async with journal.write(first.fence()) as tx:
         await tx.create("services", "env", reason="declared", values={"endpoint": "http://127.0.0.1:9101"})
         await tx.transition("services", "env", from_state="pending", version=1, to_state="starting", reason="test")
         await tx.transition("services", "env", from_state="starting", version=2, to_state="ready", reason="test")
     assert await _held(journal) is None  # the leader that moved it still leads
-    await asyncio.sleep(1.2)  # the first lease lapses
+    clock.advance(6)  # the first lease lapses
     second = await lease.acquire(journal, lease.ORCHESTRATOR, "orch-b", 30)
     assert second is not None and second.epoch == first.epoch + 1
     said = "the deployment is not ready (service env was ready under a previous leader and is not taken over yet)"

@@ -85,15 +85,41 @@ def stack_config(tmp: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     return services, sections
 
 
-def job(info: dict[str, Any], salt: int, timeout: float = 180.0) -> dict[str, Any]:
+def job(info: dict[str, Any], salt: int) -> dict[str, Any]:
     """Submit a job of the reference task and wait for its end."""
-    job_id = post(info, "/v1/jobs", {"payload": payload(salt)})["job"]["id"]
+    return until_complete(info, post(info, "/v1/jobs", {"payload": payload(salt)})["job"]["id"])
+
+
+def until_complete(info: dict[str, Any], job_id: str, timeout: float = 180.0) -> dict[str, Any]:
     end = time.monotonic() + timeout
     while True:
         row: dict[str, Any] = get(info, f"/v1/jobs/{job_id}")
         if row["state"] in ("COMPLETE", "REJECTED", "FAILED"):
             return row
         assert time.monotonic() < end, f"job {job_id} did not end: {row}"
+        time.sleep(0.1)
+
+
+def assert_gated(rows: dict[str, Any], head: str, heads: set[str]) -> None:
+    """Each engine serves ``head``, and its process (one of the rebuild: its whole life) was paused
+    first, generated only on committed ``heads``, and only after loading one."""
+    for name in ("e0", "e1"):
+        assert http_json(f"{rows[name]['endpoint']}/get_weight_version")["weight_version"] == head, name
+        history = http_json(f"{rows[name]['endpoint']}/_test/history")["history"]
+        moves = [event for event, _, _ in history]
+        assert moves and moves[0] == "pause", (name, history)
+        continued = [version for event, version, _ in history if event == "continue"]
+        assert continued and set(continued) <= heads, (name, history)
+        first_continue = moves.index("continue")
+        assert any(ev == "load" and v in heads for ev, v, _ in history[:first_continue]), (name, history)
+
+
+def until_rollouts_end(info: dict[str, Any], count: int, timeout: float = 120.0) -> None:
+    """Until ``count`` rollouts are finished (or forgotten after it), none failed."""
+    end = time.monotonic() + timeout
+    while len(rollouts(info, "finished")) + len(rollouts(info, "forgotten")) < count:
+        assert not rollouts(info, "failed"), rollouts(info, "failed")
+        assert time.monotonic() < end, f"rollouts did not finish: {get(info, '/v1/rollouts?limit=100')}"
         time.sleep(0.1)
 
 
@@ -172,11 +198,7 @@ async def test_the_whole_deployment_as_one_stack(journal_url: str, tmp_path: Pat
         assert first["state"] == "COMPLETE" and first["metrics"]["step"] == 1, first
         served = {n: http_json(f"{rows[n]['endpoint']}/get_weight_version")["weight_version"] for n in ("e0", "e1")}
         assert served == {"e0": first["runtime_load_id"], "e1": first["runtime_load_id"]}
-        end = time.monotonic() + 120
-        while len(rollouts(info, "finished")) + len(rollouts(info, "forgotten")) < len(tasks):
-            assert not rollouts(info, "failed"), rollouts(info, "failed")
-            assert time.monotonic() < end, f"rollouts did not finish: {get(info, '/v1/rollouts?limit=100')}"
-            time.sleep(0.1)
+        until_rollouts_end(info, len(tasks))
 
         # The trainer's service dies: the stack is rebuilt, the fresh trainer is put on job 1's step.
         old = rows["trainer"]["pids"]["service"]
@@ -186,19 +208,7 @@ async def test_the_whole_deployment_as_one_stack(journal_url: str, tmp_path: Pat
         second = job(info, 2)
         assert second["state"] == "COMPLETE" and second["metrics"]["step"] == 2, second
         assert second["trainer_step"] == 1  # the fresh process loaded job 1's checkpoint before training
-        heads = {first["runtime_load_id"], second["runtime_load_id"]}
-        for name in ("e0", "e1"):
-            assert http_json(f"{rows[name]['endpoint']}/get_weight_version")["weight_version"] == second[
-                "runtime_load_id"], name
-            # A process of the rebuild: its whole life. Paused first; generating only on committed heads,
-            # and only after loading one.
-            history = http_json(f"{rows[name]['endpoint']}/_test/history")["history"]
-            moves = [event for event, _, _ in history]
-            assert moves and moves[0] == "pause", (name, history)
-            continued = [version for event, version, _ in history if event == "continue"]
-            assert continued and set(continued) <= heads, (name, history)
-            first_continue = moves.index("continue")
-            assert any(ev == "load" and v in heads for ev, v, _ in history[:first_continue]), (name, history)
+        assert_gated(rows, second["runtime_load_id"], {first["runtime_load_id"], second["runtime_load_id"]})
         assert ready(info)
 
         pgids = {r["pids"]["service"] for r in get(info, "/v1/services")["services"]}
@@ -245,16 +255,6 @@ def publishing(info: dict[str, Any], engine_url: str, timeout: float = 180.0) ->
         time.sleep(0.02)
 
 
-def until_complete(info: dict[str, Any], job_id: str, timeout: float = 180.0) -> dict[str, Any]:
-    end = time.monotonic() + timeout
-    while True:
-        row: dict[str, Any] = get(info, f"/v1/jobs/{job_id}")
-        if row["state"] in ("COMPLETE", "REJECTED", "FAILED"):
-            return row
-        assert time.monotonic() < end, f"job {job_id} did not end: {row}"
-        time.sleep(0.1)
-
-
 async def test_a_trainer_then_a_participant_killed_during_a_publication(journal_url: str, tmp_path: Path) -> None:
     """Each publication is held at its load on e0 (a hanging request), and then a service of another
     kind is SIGKILLed: the trainer during job 1's, the environment participant during job 2's, with
@@ -280,26 +280,11 @@ async def test_a_trainer_then_a_participant_killed_during_a_publication(journal_
             assert rows[victim]["pids"]["service"] != old
             assert done["state"] == "COMPLETE" and done["metrics"]["step"] == salt, done
             heads.add(done["runtime_load_id"])
-            for name in ("e0", "e1"):
-                assert http_json(f"{rows[name]['endpoint']}/get_weight_version")["weight_version"] == done[
-                    "runtime_load_id"], name
-                # A process of the rebuild: its whole life. Paused first; generating only on committed
-                # heads, and only after loading one.
-                history = http_json(f"{rows[name]['endpoint']}/_test/history")["history"]
-                moves = [event for event, _, _ in history]
-                assert moves and moves[0] == "pause", (name, history)
-                continued = [version for event, version, _ in history if event == "continue"]
-                assert continued and set(continued) <= heads, (name, history)
-                first_continue = moves.index("continue")
-                assert any(ev == "load" and v in heads for ev, v, _ in history[:first_continue]), (name, history)
+            assert_gated(rows, done["runtime_load_id"], heads)
         # The trainer's step record: two steps, each job's once (job 1's was not trained again by the
         # fresh trainer that finished its publication).
         assert json.loads((tmp_path / "trainer" / "step.json").read_text())["step"] == 2
-        end = time.monotonic() + 120
-        while len(rollouts(info, "finished")) + len(rollouts(info, "forgotten")) < len(tasks):
-            assert not rollouts(info, "failed"), rollouts(info, "failed")
-            assert time.monotonic() < end, f"rollouts did not finish: {get(info, '/v1/rollouts?limit=100')}"
-            time.sleep(0.1)
+        until_rollouts_end(info, len(tasks))
         assert ready(info)
         # The journal: each failed service was restarted once; every service was launched three times.
         seen = await events(journal_url)
