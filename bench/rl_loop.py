@@ -52,7 +52,8 @@ sys.path.insert(0, str(ROOT))
 
 from _databases import Database  # noqa: E402  (bench/, the script's folder)
 from engine.config import Settings  # noqa: E402
-from engine.demos.checkpoint import KINDS, Fleet, free_port, until_up  # noqa: E402
+from engine.demos.checkpoint import KINDS, Fleet, until_up  # noqa: E402
+from engine.demos.ports import free_port  # noqa: E402
 from engine.runtime.service import Orchestrator  # noqa: E402
 from engine.workflows.checkpoint.rollout_tasks import check_task, submit_rollouts  # noqa: E402
 from journal import Committed, models  # noqa: E402

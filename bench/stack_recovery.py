@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine.config import Settings  # noqa: E402
+from engine.demos.ports import free_port  # noqa: E402
 from engine.runtime.clock import SystemClock  # noqa: E402
 from engine.runtime.service import open_journal  # noqa: E402
 from engine.workflows.deployment.plan import Plan  # noqa: E402
@@ -56,14 +57,6 @@ TOKEN = "bench-stack-token"
 READY = [sys.executable, "-c", "import os, urllib.request as u; u.urlopen(u.Request(os.environ['STATUS'], "
                                "headers={'Authorization': 'Bearer ' + os.environ['TIDELOG_CONTROL_TOKEN']}), timeout=2)"]
 VICTIMS = ("engine", "environment", "model", "trainer")
-
-
-def free_port() -> int:
-    import socket  # noqa: PLC0415
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def services(tmp: Path, initial: Path) -> dict[str, Any]:

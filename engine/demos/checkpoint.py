@@ -30,7 +30,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -44,17 +43,12 @@ import yaml
 from journal import machines
 
 from engine.demos.arguments import checkpoint_demo_arguments
+from engine.demos.ports import free_port
 
 KINDS = ("environment", "model", "agent", "resources")
 #: The stack's dependency order: an agent needs its model, an environment its agent and resources.
 DEPENDS_ON = {"agent": ["model"], "environment": ["agent", "resources"]}
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Fleet:

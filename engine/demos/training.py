@@ -58,7 +58,8 @@ import yaml
 from journal import machines
 
 from engine.demos.arguments import training_demo_arguments
-from engine.demos.checkpoint import DEPENDS_ON, KINDS, ROOT, Fleet, free_port, until_up, wait_stack
+from engine.demos.checkpoint import DEPENDS_ON, KINDS, ROOT, Fleet, until_up, wait_stack
+from engine.demos.ports import free_port
 
 CRASH_CHECKPOINT = "training_jobs:RUNNING->CHECKPOINT"
 CRASH_PUBLICATION = "training_jobs:UPDATING_WEIGHTS->READY_TO_COMMIT"

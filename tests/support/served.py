@@ -11,7 +11,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,17 +25,12 @@ import aiohttp
 import sqlalchemy as sa
 import yaml
 
+from engine.demos.ports import free_port
 from journal import Journal, models
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "hostile-input-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -159,5 +153,5 @@ def serve_process_sync(journal_url: str, tmp: Path, **overrides: Any) -> Iterato
                 proc.wait()
 
 
-__all__ = ["AUTH", "TOKEN", "Served", "free_port", "journal_events", "serve_process", "serve_process_sync",
+__all__ = ["AUTH", "TOKEN", "Served", "journal_events", "serve_process", "serve_process_sync",
            "write_config"]

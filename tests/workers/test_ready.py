@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
+from engine.demos.ports import free_port
 from workers.participant.ready import STATUS_PATH, check
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,12 +38,6 @@ async def status_server() -> AsyncIterator[str]:
         yield f"http://127.0.0.1:{port}"
     finally:
         await runner.cleanup()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def test_check_needs_the_token_and_a_200(status_server: str) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -24,18 +23,13 @@ import pytest
 import sqlalchemy as sa
 import yaml
 
+from engine.demos.ports import free_port
 from journal import Journal, audit, models
 from tests.support.backends import only_postgresql
 from tests.support.counting_server import CountingServer
 
 ROOT = Path(__file__).resolve().parents[3]
 pytestmark = [pytest.mark.slow, only_postgresql]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def write_config(path: Path, journal_url: str, holder: str, port: int, target: str) -> Path:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.demos.ports import free_port
 from tests.workers.executor.support import REPO_ROOT
 from workers.executor import (
     Executor, ExecutorConfig, ExecutorConfigError, ExecutorFailedError, ExecutorLaunchError, ServedWorkerError,
@@ -27,12 +27,6 @@ from workers.executor import (
 
 WORKER = "tests.workers.executor.sample_worker:SampleWorker"
 TOKEN = "served-rank-token-9f3a"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Served:

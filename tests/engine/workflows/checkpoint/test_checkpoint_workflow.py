@@ -124,16 +124,37 @@ async def test_a_checkpoint_mid_episode_is_published_and_everyone_resumed(
     assert all(len(r["actions"]) == 4 and 0.0 <= r["reward"] <= 1.0 for r in results)
 
 
+#: Each reference environment step of the slow episode takes this long, and a prepare stage's
+#: deadline is this long after the stage starts. The stage starts STEP + 0.5 s into the episode,
+#: inside its first ``check`` (a wait step that ends at 2 x STEP), so the deadline passes while the
+#: episode is still blocking. PREPARE must also cover the prepare call's way to the participant on
+#: a loaded machine: a call that arrives after its deadline is refused with ``deadline_exceeded``
+#: (the protocol's rule) instead of answering with its blockers (0.5 s was missed once, under the
+#: full suite on three workers).
+STEP, PREPARE = 6.0, 3.0
+
+
+async def slow_episode_in_check(orch: Orchestrator, url: str, call: Any) -> asyncio.Task[Any]:
+    """With every participant healthy, start the slow episode with ``call`` (a coroutine function
+    of the environment's URL) and return once it is inside its first ``check``."""
+    async def healthy() -> bool:
+        rows = await table(orch, models.participants)
+        return len(rows) == 4 and all(r["state"] == "healthy" for r in rows.values())
+    await until(healthy)
+    run = asyncio.create_task(call(url))
+    await asyncio.sleep(STEP + 0.5)
+    return run
+
+
 async def test_a_stage_that_misses_its_deadline_aborts_with_its_blockers(
         journal_url: str, procs: Procs, controller: ParticipantClient, tmp_path: Path) -> None:
-    # Each step takes 2 s: 2.5 s in, the episode is inside its first `check`, a wait step.
     stack = await start_stack(procs, {k: tmp_path / "state" / k for k in
-                                      ("environment", "model", "agent", "resources")}, env_delay=2.0)
-    run = asyncio.create_task(controller.run(stack.url("environment"), "slow", {"prompt": "p", "turns": 1}))
-    await asyncio.sleep(2.5)
-    orch = Orchestrator(settings(journal_url, stack, prepare_timeout_s=0.5))
+                                      ("environment", "model", "agent", "resources")}, env_delay=STEP)
+    orch = Orchestrator(settings(journal_url, stack, prepare_timeout_s=PREPARE))
     await orch.start()
     try:
+        run = await slow_episode_in_check(orch, stack.url("environment"), lambda url: controller.run(
+            url, "slow", {"prompt": "p", "turns": 1}))
         row = await run_checkpoint(orch, "ck-2", tmp_path / "ckpts")
         members = {m["participant"]: m for m in (await table(orch, models.checkpoint_members)).values()}
         reason = await audit_query(orch, "checkpoint-abort-reason", checkpoint="ck-2")
@@ -159,13 +180,12 @@ async def test_a_stage_that_misses_its_deadline_aborts_with_its_blockers(
 async def test_a_straggler_is_retired_and_the_checkpoint_retried_under_a_new_id(
         journal_url: str, procs: Procs, controller: ParticipantClient, tmp_path: Path) -> None:
     stack = await start_stack(procs, {k: tmp_path / "state" / k for k in
-                                      ("environment", "model", "agent", "resources")}, env_delay=2.0)
-    run = asyncio.create_task(controller.post(stack.url("environment"), "/run",
-                                              {"rollout_id": "slow", "task": {"prompt": "p", "turns": 1}}))
-    await asyncio.sleep(2.5)  # inside its first `check`, a wait step that outlasts the deadline
-    orch = Orchestrator(settings(journal_url, stack, prepare_timeout_s=0.5))
+                                      ("environment", "model", "agent", "resources")}, env_delay=STEP)
+    orch = Orchestrator(settings(journal_url, stack, prepare_timeout_s=PREPARE))
     await orch.start()
     try:
+        run = await slow_episode_in_check(orch, stack.url("environment"), lambda url: controller.post(
+            url, "/run", {"rollout_id": "slow", "task": {"prompt": "p", "turns": 1}}))
         first = await run_checkpoint(orch, "ck-3", tmp_path / "ckpts", max_tries=2)
 
         async def retried() -> dict[str, Any] | None:

@@ -27,7 +27,7 @@ from journal import models
 from tests.engine.workflows.checkpoint.test_api_checkpoints import call
 from tests.engine.workflows.checkpoint.test_rollout_dispatch import config
 from tests.support.reference_procs import KINDS, TOKEN, ParticipantClient, Procs, start_stack
-from tests.support.served import free_port
+from engine.demos.ports import free_port
 from tests.support.workflows import controller, procs, state_dirs, table, until  # noqa: F401 - fixtures
 from workers.protocol import CONTROL_PREFIX
 

@@ -42,7 +42,7 @@ from tests.engine.runtime.test_crash_recovery import new_journal_url
 from tests.engine.workflows.checkpoint.test_api_checkpoints import call
 from tests.engine.workflows.checkpoint.test_rollout_dispatch import config
 from tests.support.reference_procs import KINDS, TOKEN, ParticipantClient, Procs, Stack, start_stack
-from tests.support.served import free_port
+from engine.demos.ports import free_port
 from tests.support.workflows import audit_rows, controller, procs, state_dirs, until  # noqa: F401 - fixtures
 from tests.support.zygote import Child, shared
 from workers.protocol import EpisodeId

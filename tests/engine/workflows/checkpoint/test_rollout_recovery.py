@@ -28,7 +28,7 @@ from journal import Journal, audit, models
 from tests.engine.workflows.checkpoint.test_api_checkpoints import call
 from tests.engine.workflows.checkpoint.test_rollout_dispatch import config, rollouts, run_calls, serve, settled
 from tests.support.reference_procs import KINDS, TOKEN, ParticipantClient, Procs, start_stack
-from tests.support.served import free_port
+from engine.demos.ports import free_port
 from tests.support.workflows import (audit_rows, by_rollout, closed_executions, controller, procs,  # noqa: F401
                                      state_dirs, steps_of, until)
 
@@ -213,10 +213,14 @@ async def test_restarts_a_checkpoint_could_not_save_run_again_from_their_input_a
         k: ("forgotten", 1, None) for k in TASKS}
     for k in TASKS:
         history = [(e["from_state"], e["to_state"]) for e in trail if e["entity_id"] == k]
-        # The lost attempt 0 was retired everywhere before attempt 1 was sent.
+        # The lost attempt 0 was retired everywhere before attempt 1 was sent. (On a mismatch the
+        # message carries each step's reason and the rollout's /run calls with their errors.)
         assert history == [(None, "pending"), ("pending", "dispatched"), ("dispatched", "ambiguous"),
                            ("ambiguous", "retiring"), ("retiring", "retired"), ("retired", "pending"),
-                           ("pending", "dispatched"), ("dispatched", "finished"), ("finished", "forgotten")], history
+                           ("pending", "dispatched"), ("dispatched", "finished"), ("finished", "forgotten")], (
+            [(e["from_state"], e["to_state"], e["reason"]) for e in trail if e["entity_id"] == k],
+            [(c["body"]["rollout_id"], c["state"], c["error"], c["attempts"]) for c in calls
+             if c["body"]["rollout_id"].split("-a")[0] == k])
         # Attempt 1 ran from its input: every step of the episode, each once.
         assert new[f"{k}-a1"] == dict.fromkeys(steps_of("environment", TURNS), 1), new
     assert Counter((call["body"]["rollout_id"], call["state"]) for call in calls) == Counter(

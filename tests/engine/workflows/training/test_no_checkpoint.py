@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 
 from engine.config import load
-from engine.demos.checkpoint import free_port
+from engine.demos.ports import free_port
 from engine.demos.training import trainer_pids
 from engine.runtime.service import Orchestrator
 from engine.workflows.training import acknowledge_job, reject_job
