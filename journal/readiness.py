@@ -17,8 +17,9 @@ import sqlalchemy as sa
 from . import models
 from .lease import ORCHESTRATOR
 
-#: ``engines`` states of an engine the gate has not (yet) put on the committed head since its launch.
-UNGATED = ("registered", "unverified", "unreachable")
+#: ``engines`` states of an engine the gate has not (yet) put on the committed head since its launch,
+#: or one that is never used again until it is replaced (``uncertain``: a memory-region call failed).
+UNGATED = ("registered", "unverified", "unreachable", "uncertain")
 
 
 async def deployment_held(conn: Any, *, engines: bool = True) -> str | None:
@@ -51,8 +52,13 @@ async def deployment_held(conn: Any, *, engines: bool = True) -> str | None:
     e = models.engines
     engine = (await conn.execute(sa.select(s.c.id, e.c.state).select_from(s.join(e, e.c.id == s.c.engine)).where(
         s.c.desired != "removed", e.c.state.in_(UNGATED)).order_by(s.c.id).limit(1))).first()
-    return None if engine is None else (f"the deployment is not ready (the engine of service {engine.id} is "
-                                        f"{engine.state}: not yet on the committed head)")
+    if engine is None:
+        return None
+    if engine.state == "uncertain":
+        return (f"the deployment is not ready (the engine of service {engine.id} is uncertain: its memory state "
+                f"is unknown, and it is being replaced)")
+    return (f"the deployment is not ready (the engine of service {engine.id} is {engine.state}: not yet on the "
+            f"committed head)")
 
 
 async def participants_held(conn: Any) -> str | None:

@@ -180,6 +180,16 @@ class BatchingSettingsModel(_Strict):
         return _importable(v)
 
 
+class ColocatedSettingsModel(_Strict):
+    """Training that shares the engines' GPUs (docs/training.md, "Colocated training"): before each
+    step every engine is paused and its memory released; publication takes it back."""
+
+    enabled: bool = False
+    #: Release only the KV cache and CUDA graphs, keeping the weights resident (the GPU must hold
+    #: them and the training step at once); otherwise the weights are released too.
+    keep_base_resident: bool = False
+
+
 class TrainingWorkflowSettings(_Strict):
     """Training jobs and commit-gated publication (docs/training.md)."""
 
@@ -204,6 +214,7 @@ class TrainingWorkflowSettings(_Strict):
     on_acknowledge_timeout: Literal["reject", "hold"] = "reject"
     evaluator: EvaluatorSettingsModel = EvaluatorSettingsModel()
     batching: BatchingSettingsModel = BatchingSettingsModel()
+    colocated: ColocatedSettingsModel = ColocatedSettingsModel()
     #: How often a trainer that fails (its process dies, its Ray actor is lost) is started again:
     #: at most ``max_restarts`` within ``window_s``, the n-th after ``delays_s[n-1]``; past it the
     #: trainer stays down (``/readyz`` 503, jobs wait) until the orchestrator is restarted.

@@ -88,7 +88,8 @@ class Orchestrator:
         register_kinds(self.journal.kinds, self.workflows)
         given = list(controllers or [])
         deps = Deps(settings, self.rpc, self.metrics, self.clock, frozenset(c.kind for c in given),
-                    write=self.committer.run, holder=self.holder, read=self.journal.read, rebuilt=self._rebuilt)
+                    write=self.committer.run, holder=self.holder, read=self.journal.read, rebuilt=self._rebuilt,
+                    replace_engine=self._replace_engine)
         #: Each built family's parts, by workflow name (a family its settings leave off is absent).
         self.parts: dict[str, Parts] = {}
         skip = set(unbuilt)
@@ -187,6 +188,13 @@ class Orchestrator:
         for parts in self.parts.values():
             if parts.on_rebuild is not None:
                 await parts.on_rebuild(why)
+
+    async def _replace_engine(self, engine: str, why: str) -> bool:
+        """:attr:`Deps.replace_engine`: the first built family that takes it on."""
+        for parts in self.parts.values():
+            if parts.replace_engine is not None and await parts.replace_engine(engine, why):
+                return True
+        return False
 
     async def not_ready(self) -> str | None:
         """Why a built family is not ready (``/readyz``), or ``None``."""

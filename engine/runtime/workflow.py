@@ -63,6 +63,10 @@ class Deps:
     #: What a stack rebuild calls (the deployment family) once the old processes are confirmed gone
     #: and before the new ones start, with why it rebuilds: every built family's ``on_rebuild``.
     rebuilt: Callable[[str], Awaitable[None]] | None = None
+    #: Asks the deployment to replace the process that serves an ``engines`` row (its id, why):
+    #: True when a built family took it on (the deployment family: the service is killed and
+    #: managed recovery rebuilds the stack); False when none runs it, or not now.
+    replace_engine: Callable[[str, str], Awaitable[bool]] | None = None
 
 
 @dataclass
@@ -82,6 +86,8 @@ class Parts:
     - ``on_rebuild``: awaited by a stack rebuild (:attr:`Deps.rebuilt`) with its reason, once the
       old processes are gone and before the new ones start: what a family does about the work
       they held (the checkpoint family asks for the restore of the latest checkpoint).
+    - ``replace_engine``: what :attr:`Deps.replace_engine` asks of this family (the deployment
+      family runs the engines' services); ``None``: it runs no engine.
     """
 
     controllers: Sequence[Controller] = ()
@@ -93,6 +99,7 @@ class Parts:
     before_stop: Callable[[], Awaitable[None]] | None = None
     not_ready: Callable[[], Awaitable[str | None]] | None = None
     on_rebuild: Callable[[str], Awaitable[None]] | None = None
+    replace_engine: Callable[[str, str], Awaitable[bool]] | None = None
 
 
 @dataclass(frozen=True)

@@ -198,6 +198,16 @@ class InferenceEngine(abc.ABC):
     def _check_usable(self) -> None:
         self._memory.check()
 
+    def mark_uncertain(self, reason: str) -> None:
+        """Refuse every later call, as after a failed region call: what a durable record says of
+        the engine (an earlier adapter found its state unknown, and it was not replaced since)."""
+        self._memory.poison(reason)
+
+    def note_released(self, regions: Iterable[str]) -> None:
+        """Take ``regions`` as released without a call: what a durable record says an earlier
+        adapter had acknowledged (a new adapter otherwise takes every region for resident)."""
+        self._memory.mark(normalize_regions(regions), RegionState.RELEASED)
+
     async def release_memory(self, regions: Iterable[str] = REGIONS) -> tuple[str, ...]:
         """Release the requested regions that are resident; returns the regions acted on."""
         return await self._change(regions, RegionState.RELEASED)

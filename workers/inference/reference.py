@@ -43,8 +43,9 @@ answers 200 ``{"success": false}``, ``hang`` sleeps ``seconds`` (default 30) and
 the next request to ``path`` arrives, *before* the route acts (nothing is applied, no answer is
 sent: the caller sees the connection drop), so a crash harness can kill an engine at one phase of
 a publication. ``GET /_test/history`` answers ``{"history": [[event, weight_version, at], ...]}``:
-every ``pause``, ``continue``, ``load`` (``/update_weights_from_disk``) and ``label``
-(``/update_weight_version``) this process answered with a status below 400 since it started,
+every ``pause``, ``continue``, ``load`` (``/update_weights_from_disk``), ``label``
+(``/update_weight_version``), ``release REGIONS`` and ``resume REGIONS`` (the memory calls, with
+the regions asked for, comma-separated) this process answered with a status below 400 since it started,
 with the weight version it served right after and the Unix time it acted — so a test can check
 that generation was only ever continued on a version already committed. A real engine cannot be made to fail (or die) on demand on
 a CPU; without the flag none of these routes exists.
@@ -70,6 +71,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ..http_limits import Handler
 from ..policy import Policy, WeightsError, load_weights
 from ..reference._common import serve
+from .engine import REGIONS
 from .serving import ReferenceEngineState, ServingError
 
 VERSION = "tidelog-reference-0.1"
@@ -81,7 +83,9 @@ DIE_NEXT: web.AppKey[set[str]] = web.AppKey("die_next", set)
 HISTORY: web.AppKey[list[tuple[str, str, float]]] = web.AppKey("history", list)
 #: The routes /_test/history records, by the event name it gives them.
 HISTORY_EVENTS = {"/pause_generation": "pause", "/continue_generation": "continue",
-                  "/update_weights_from_disk": "load", "/update_weight_version": "label"}
+                  "/update_weights_from_disk": "load", "/update_weight_version": "label",
+                  "/release_memory_occupation": "release", "/resume_memory_occupation": "resume"}
+MEMORY_PATHS = ("/release_memory_occupation", "/resume_memory_occupation")
 
 log = logging.getLogger("tidelog.inference.reference")
 
@@ -214,6 +218,14 @@ async def _faults(request: web.Request, handler: Handler) -> web.StreamResponse:
         response = await handler(request)
         event = HISTORY_EVENTS.get(request.path)
         if event is not None and response.status < 400:
+            if request.path in MEMORY_PATHS:
+                # "release weights,kv_cache": the regions asked for (the body was read and cached).
+                try:
+                    body = await request.json()
+                except ValueError:  # no body (a GET, or an empty POST): every region
+                    body = None
+                tags = body.get("tags") if isinstance(body, dict) else None
+                event = f"{event} {','.join(tags if isinstance(tags, list) else REGIONS)}"
             request.app[HISTORY].append((event, request.app[STATE].weight_version, time.time()))
         return response
     mode, seconds = armed

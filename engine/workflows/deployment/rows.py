@@ -50,13 +50,15 @@ async def read(write: Write, plan: Plan) -> dict[str, Row]:
 async def gate_again(tx: WriteTx, engine_row: str, service: str) -> None:
     """The engine's service was (re)launched: its ``engines`` row stops claiming a version until the
     engine gate has looked at the new process and put it on the committed head (the same gate as an
-    election; the deployment is not ready meanwhile: :mod:`journal.readiness`)."""
+    election; the deployment is not ready meanwhile: :mod:`journal.readiness`). ``memory`` is cleared:
+    the new process holds every region resident, and no call to it has been acknowledged yet (the
+    gate gives it a fresh adapter when the old one knew of released regions or was uncertain)."""
     row = await tx.get("engines", engine_row)
     if row is None or row.state in ("unverified", "registered", "retired"):
         return
     await tx.transition("engines", engine_row, from_state=row.state, version=row.version, to_state="unverified",
                         reason=f"its service {service} was launched: not verified until the gate looks at it",
-                        changes={"serving_version": None, "health": None, "paused": False,
+                        changes={"serving_version": None, "health": None, "paused": False, "memory": None,
                                  "detail": f"service {service} launched a new process"})
 
 

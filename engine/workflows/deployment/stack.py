@@ -100,6 +100,8 @@ class Stack:
         self._halted = asyncio.Event()
         self._kick = False
         self._changed = asyncio.Event()
+        #: Service name -> why another part of the orchestrator had it replaced (:meth:`replace_engine`).
+        self._replaced: dict[str, str] = {}
         self.host = socket.gethostname()
 
     # -- what the rest of the orchestrator sees -------------------------------------------------------
@@ -116,6 +118,21 @@ class Stack:
             return why
         async with self.journal_read() as conn:
             return await deployment_held(conn)
+
+    async def replace_engine(self, engine_row: str, why: str) -> bool:
+        """Replace the service that runs the ``engines`` row ``engine_row`` (an engine whose memory
+        state is unknown): its process group is killed, and managed recovery rebuilds the stack as
+        for any failure once it was ready, ``why`` recorded as the reason. False (nothing done)
+        when no service of this stack runs it, or the stack is not ready (a rebuild under way
+        relaunches it anyway)."""
+        name = next((n for n, row in self.plan.engine_rows.items() if row == engine_row), None)
+        proc = None if name is None else self.procs.get(name)
+        if name is None or proc is None or self.state != "ready" or proc.exited.done():
+            return False
+        log.warning("service %s: %s; killing it so that the stack is rebuilt", name, why)
+        self._replaced[name] = f"{why}: replaced (its process group was killed)"
+        proc.kill()
+        return True
 
     def request(self, want: Literal["up", "down"]) -> None:
         """Ask for the stack up (again, after a failure too) or down; the running loop acts on it."""
@@ -351,6 +368,8 @@ class Stack:
         assert self.write is not None
         if self.health is not None and name in self.health.failed:
             why = self.health.failed.pop(name)
+        if name in self._replaced:
+            why = self._replaced.pop(name)
         delay = self.policy.allow(self.clock.monotonic())
         if delay is None:
             await self._fail_stop(name, f"{why}; {self.policy.refusal()}: the supervisor stopped", code)

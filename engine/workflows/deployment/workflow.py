@@ -33,7 +33,7 @@ def build(deps: Deps) -> Parts | None:
         stack.kill_all()
 
     return Parts(run=run, before_stop=stack.stop_gracefully, not_ready=stack.held, on_lost=lost,
-                 handle=stack)
+                 handle=stack, replace_engine=stack.replace_engine)
 
 
 WORKFLOW = register(Workflow(

@@ -6,6 +6,9 @@ This controller then, for a ``RUNNING`` job whose ``RUNNING`` commit it saw in t
 0. brings the trainer onto the deployment's latest verified step if it holds another (a trainer
    process started again after a crash loads the newest job's checkpoint; a fresh one of a new
    deployment declares its initial weights) — see ``_sync_trainer``;
+   With ``training.colocated``, it then pauses every engine and releases its memory
+   (:mod:`engine.workflows.training.colocated`); until every engine has, ``train`` is not called:
+   the job stays ``RUNNING`` with why in ``detail`` and is tried again;
 1. calls ``train`` on the trainer rank (through an executor: uni, mp or Ray);
 2. saves the checkpoint tagged with the job id (``<checkpoint_dir>/<job id>.ckpt``) and
    verifies it;
@@ -44,12 +47,15 @@ from typing import Any, Protocol
 import sqlalchemy as sa
 
 from journal import Committed, Transition, models
+from journal.readiness import deployment_held
 from journal.writes import Row, to_row
 
-from workers.inference.engine import InferenceEngine
+from workers.inference.engine import InferenceEngine, RegionState
 
 from engine.runtime.clock import Clock, SystemClock
 from engine.runtime.reconciler import BaseController, Context, Result
+from engine.workflows.training.colocated import ColocatedSettings, release_for_training
+from engine.workflows.training.engine_gate import record_engine
 from engine.workflows.training.publication import PublicationSettings, Publisher
 from engine.workflows.training.trainer_host import TrainerRestartPending
 
@@ -98,10 +104,13 @@ class TrainingController(BaseController):
 
     def __init__(self, executor: TrainerRanks, settings: TrainingSettings,
                  publication: tuple[Sequence[InferenceEngine] | Mapping[str, InferenceEngine],
-                                    PublicationSettings] | None = None, clock: Clock | None = None) -> None:
+                                    PublicationSettings] | None = None, clock: Clock | None = None,
+                 colocated: ColocatedSettings | None = None) -> None:
         self._executor = executor
         self._clock: Clock = clock or SystemClock()
         self.settings = settings
+        #: Colocated training: the engines' memory is released before each step (``colocated.py``).
+        self.colocated = colocated or ColocatedSettings()
         # From CHECKPOINT on, the job's weights are published (when engines are given).
         self.publisher = None if publication is None else Publisher(self._call, *publication,
                                                                       ensure_trainer=self._ensure_trainer,
@@ -207,16 +216,61 @@ class TrainingController(BaseController):
             try:
                 health = await self._sync_trainer(ctx, row)
             except Exception as exc:  # noqa: BLE001 - train was not called: the job stays RUNNING, ours to train
-                why = f"the trainer is not ready ({type(exc).__name__}: {exc}); train not called, trying again"
-                log.warning("training job %s: %s", job_id[:12], why)
-                self._recorded[job_id] = row.version
-                if row["detail"] != why:
-                    # Said in the journal (the commit listener notes the new version as ours to train).
-                    await ctx.apply(Transition(KIND, row.id, "RUNNING", row.version, "RUNNING", why[:200],
-                                               {"detail": why}))
-                return Result(requeue_after=self.settings.retry_after_s)
+                return await self._not_trained(ctx, row, f"the trainer is not ready ({type(exc).__name__}: {exc}); "
+                                                         f"train not called, trying again")
+            if self.colocated.enabled and self.publisher is not None:
+                why = await self._release_engines(ctx, row)
+                if why is not None:
+                    return await self._not_trained(ctx, row, why)
             return await self._train(ctx, row, health)
         return await self._settle(ctx, row)
+
+    async def _not_trained(self, ctx: Context, row: Row, why: str) -> Result:
+        """``train`` was not called: the job stays ``RUNNING``, ours to train, and is tried again."""
+        log.warning("training job %s: %s", row.id[:12], why)
+        self._recorded[row.id] = row.version
+        if row["detail"] != why:
+            # Said in the journal (the commit listener notes the new version as ours to train).
+            await ctx.apply(Transition(KIND, row.id, "RUNNING", row.version, "RUNNING", why[:200], {"detail": why}))
+        return Result(requeue_after=self.settings.retry_after_s)
+
+    async def _release_engines(self, ctx: Context, row: Row) -> str | None:
+        """Colocated training: pause every engine and release its memory before the step, each
+        engine's row recording what it acknowledged (``None``: every engine released; else why not,
+        and the step waits). Under the publisher's lock, so no gate look interleaves."""
+        assert self.publisher is not None
+        publisher = self.publisher
+        async with ctx.journal.read() as conn:
+            held = await deployment_held(conn)
+        if held is not None:
+            # No engine's memory is taken while the stack is rebuilt or down, nor before the gate
+            # has looked at a relaunched engine (and given it a fresh adapter: the new process
+            # holds every region resident, whatever the old adapter knew).
+            return f"colocated training held: {held}; train not called"[:500]
+        async with publisher.lock:
+            try:
+                await release_for_training(publisher.engines, self.colocated, publisher.settings.pause_mode)
+                failed = None
+            except Exception as exc:  # noqa: BLE001 - said in the job's row; an uncertain engine is replaced
+                failed = f"{type(exc).__name__}: {exc}"
+            regions = list(self.colocated.training_regions)
+            for name, engine in zip(publisher.names, publisher.engines, strict=True):
+                found = await ctx.get("engines", name)
+                if found is None or found.state == "uncertain":
+                    continue  # recorded so already (by the gate, or by an earlier attempt or leader)
+                if engine.uncertain is not None:
+                    # The gate records it uncertain and has it replaced (woken by this write).
+                    await record_engine(ctx, found, engine, "uncertain", {
+                        "health": None, "detail": f"memory state unknown since {engine.uncertain}; never used "
+                                                  f"again until it is replaced"[:500]})
+                elif all(engine.memory[r] is RegionState.RELEASED for r in regions):
+                    await record_engine(ctx, found, engine, "paused", {
+                        "paused": True, "detail": f"paused, {', '.join(regions)} released for the colocated "
+                                                  f"training of job {row.id[:12]}"})
+        if failed is not None:
+            return (f"colocated training: releasing the engines' memory failed ({failed}); train not called, "
+                    f"trying again")[:500]
+        return None
 
     async def _sync_trainer(self, ctx: Context, row: Row) -> dict[str, Any]:
         """Put the trainer on the deployment's latest verified step before trusting what it holds.

@@ -27,14 +27,26 @@ publication step), and applies the gate the publication workflow keeps:
 
 An engine that does not answer is ``unreachable``; one that cannot be brought to the head stays
 paused and the row says why (``detail``). Either is looked at again after ``retry_after_s``.
-A row moves (with its event) only when what it records changed.
+A row moves (with its event) only when what it records changed; every move records the memory
+regions as the adapter last had them acknowledged (``memory``).
+
+Memory (colocated training, :mod:`engine.workflows.training.colocated`): while a job of the
+deployment is ``RUNNING`` the engines are held paused with their memory as the trainer's step left
+it; otherwise whatever is still released is resumed before an engine is given the head or let
+generate. An engine whose region call failed is ``uncertain``: its adapter refuses every call, and
+the row stays ``uncertain`` (an election leaves it so: a new process's adapter would not know
+either) until the engine is replaced. With the deployment's stack running it (``replace``), its
+service is killed so that managed recovery rebuilds the stack; the relaunch makes the row
+``unverified`` (``engine.workflows.deployment.rows.gate_again``) and only then is a fresh adapter
+built (``fresh``), gated like any new engine. Without a stack the row stays ``uncertain`` for an
+operator, who replaces the engine under a new URL or name in ``training.engines``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +54,7 @@ import sqlalchemy as sa
 
 from journal import Transition, WriteTx, models
 from journal.writes import Row, to_row
-from workers.inference.engine import InferenceEngine
+from workers.inference.engine import REGIONS, InferenceEngine, RegionState
 
 from engine.runtime.reconciler import BaseController, Context, Result
 
@@ -58,6 +70,12 @@ PUBLISHER_ACTS = ("CHECKPOINT", "HEAD_COMMITTED", "REJECTING")
 UNVERIFIED = "unverified"
 #: States whose row says nothing this leader has seen about the engine.
 NOT_YET_KNOWN = ("registered", UNVERIFIED)
+#: An engine whose memory-region call failed: never used again, replaced (see the module docs).
+UNCERTAIN = "uncertain"
+#: Makes a fresh adapter for an engine row id (the replacement of an uncertain one's).
+Fresh = Callable[[str], InferenceEngine]
+#: Asks the deployment to replace the process serving an engine row (id, why); False: it cannot now.
+Replace = Callable[[str, str], Awaitable[bool]]
 
 
 def engine_id(deployment: str, name: str) -> str:
@@ -95,6 +113,8 @@ async def sync_engines(tx: WriteTx, deployment: str, configured: Mapping[str, st
                                 reason="configured with a new url", changes={"url": url, "instance": None,
                                                                              "serving_version": None,
                                                                              "detail": None})
+        elif row.state == UNCERTAIN:
+            continue  # stays so until the engine is replaced: this leader knows no more of it
         elif row.state != UNVERIFIED:
             said = f"{row.state}, serving {row.serving_version or 'nothing known'}, health {row.health or '-'}"
             await tx.transition(KIND, name, from_state=row.state, version=row.version, to_state=UNVERIFIED,
@@ -118,6 +138,8 @@ class GateSettings:
     deployment: str
     pause_mode: str = "retract"
     retry_after_s: float = 5.0
+    #: Colocated training: engines stay paused, their memory released, while a job is RUNNING.
+    colocated: bool = False
 
 
 class EngineGateController(BaseController):
@@ -125,11 +147,16 @@ class EngineGateController(BaseController):
 
     kind = KIND
 
-    def __init__(self, engines: Mapping[str, InferenceEngine], settings: GateSettings, lock: asyncio.Lock) -> None:
-        self.engines = dict(engines)
+    def __init__(self, engines: MutableMapping[str, InferenceEngine], settings: GateSettings, lock: asyncio.Lock,
+                 *, fresh: Fresh | None = None, replace: Replace | None = None) -> None:
+        #: Shared with the publisher (the same mapping): a replaced adapter is replaced for both.
+        self.engines = engines
         self.settings = settings
         #: Shared with the publisher: a gate look and a publication step never interleave.
         self.lock = lock
+        self.fresh = fresh
+        #: Set after build (the deployment family is built after this one): see :data:`Replace`.
+        self.replace = replace
         # Engines this process has already resumed on the head: a later look that finds the same
         # version and no pause recorded needs no call. The first look of a process always resumes,
         # since a crash can leave an engine paused without the row saying so.
@@ -145,17 +172,61 @@ class EngineGateController(BaseController):
             # rather than hold one of the reconciler's slots waiting.
             return Result(requeue_after=self.settings.retry_after_s)
         async with self.lock:  # free: taken at once, no other coroutine runs in between
-            return await self._gate(ctx, row, engine)
+            return await self._gate(ctx, row, self._adapter(row, engine))
+
+    async def adopt(self, tx: WriteTx) -> None:
+        """On election, after ``sync_engines`` (so before any controller calls an engine): tell each
+        adapter what its row recorded. An ``uncertain`` row's adapter refuses every call (a new
+        process's adapter would not know the engine's state either), and a relaunch of its engine
+        gets a fresh one; regions recorded released are taken as released (a crash may have left
+        them so, and a new adapter takes every region for resident)."""
+        t = models.engines
+        for r in (await tx.execute(sa.select(t.c.id, t.c.state, t.c.version, t.c.memory, t.c.detail).where(
+                t.c.deployment == self.settings.deployment))).all():
+            engine = self.engines.get(r.id)
+            if engine is None or r.state == "retired":
+                continue
+            if r.state == UNCERTAIN:
+                engine.mark_uncertain(str(r.detail or "recorded uncertain by an earlier leader"))
+                continue
+            memory = r.memory if isinstance(r.memory, Mapping) else {}
+            released = [g for g in REGIONS if memory.get(g) == RegionState.RELEASED.value]
+            if released:
+                engine.note_released(released)
+
+    def _adapter(self, row: Row, engine: InferenceEngine) -> InferenceEngine:
+        """The adapter to look with: a fresh one when the engine's process was relaunched (its
+        row ``unverified`` with ``memory`` cleared) and the old adapter was uncertain or knew of
+        released regions, which the new process does not have."""
+        relaunched = row.state == UNVERIFIED and row["memory"] is None
+        stale = engine.uncertain is not None or any(st is RegionState.RELEASED for st in engine.memory.values())
+        if relaunched and stale and self.fresh is not None:
+            log.info("engine %s: its process was relaunched; a fresh adapter for the new one", row.id)
+            old, engine = engine, self.fresh(row.id)
+            self.engines[row.id] = engine
+            self._resumed.discard(row.id)
+            asyncio.ensure_future(old.close())
+        return engine
 
     async def _gate(self, ctx: Context, row: Row, engine: InferenceEngine) -> Result:
         retry = Result(requeue_after=self.settings.retry_after_s)
+        if row.state == UNCERTAIN or engine.uncertain is not None:
+            return await self._uncertain(ctx, row, engine)
         try:
             version = await engine.weight_version()
         except Exception as exc:  # noqa: BLE001 - recorded on the row; looked at again
             self._resumed.discard(row.id)
+            if engine.uncertain is not None:
+                return await self._uncertain(ctx, row, engine)
             await self._record(ctx, row, "unreachable", {"health": "unreachable",
                                                          "detail": f"{type(exc).__name__}: {exc}"[:500]})
             return retry
+        if self.settings.colocated:
+            training = await self._training(ctx)
+            if training is not None:
+                await self._hold_paused(ctx, row, engine, version, f"job {training[:12]} RUNNING (colocated "
+                                                                   f"training): held paused, memory as the step left it")
+                return Result()
         job, head = await self._publication(ctx)
         if job is not None and job.state in UNCOMMITTED:
             await self._hold_paused(ctx, row, engine, version, f"job {job.id[:12]} {job.state}: held paused until "
@@ -197,12 +268,15 @@ class EngineGateController(BaseController):
                 return retry
             try:
                 await engine.pause_generation(self.settings.pause_mode)
+                await engine.resume_memory(("weights",))  # a load needs them resident
                 await engine.update_weights_from_disk(head["weights_path"], head.id)
                 version = await engine.weight_version()
                 if version != head.id:
                     raise RuntimeError(f"reports {version!r} after loading {head.id}")
             except Exception as exc:  # noqa: BLE001 - held paused, recorded, looked at again
                 self._resumed.discard(row.id)
+                if engine.uncertain is not None:
+                    return await self._uncertain(ctx, row, engine)
                 await self._record(ctx, row, "paused", {
                     "health": "ok", "paused": True, "serving_version": version,
                     "detail": f"could not bring it to the committed head {head.id} "
@@ -211,6 +285,15 @@ class EngineGateController(BaseController):
             log.info("engine %s: loaded the committed head %s", row.id, head.id)
             self._resumed.discard(row.id)
         if row.id not in self._resumed or row["paused"] or row.state != "serving":
+            try:
+                # Whatever a colocated step (or a crash during one) left released comes back first.
+                await engine.resume_memory()
+            except Exception as exc:  # noqa: BLE001 - an uncertain engine is replaced; else looked at again
+                if engine.uncertain is not None:
+                    return await self._uncertain(ctx, row, engine)
+                await self._record(ctx, row, row.state, {"detail": f"resuming its memory failed "
+                                                                   f"({type(exc).__name__}: {exc})"[:500]})
+                return retry
             await engine.continue_generation()
             self._resumed.add(row.id)
         await self._record(ctx, row, "serving", {"health": "ok", "paused": False, "serving_version": version,
@@ -224,6 +307,30 @@ class EngineGateController(BaseController):
         self._resumed.discard(row.id)
         await self._record(ctx, row, "paused", {"health": "ok", "paused": True, "serving_version": version,
                                                 "detail": detail})
+
+    async def _uncertain(self, ctx: Context, row: Row, engine: InferenceEngine) -> Result:
+        """Record the engine ``uncertain`` (once) and ask for its replacement; looked at again after
+        ``retry_after_s`` until its relaunch makes the row ``unverified`` (then a fresh adapter,
+        :meth:`_adapter`)."""
+        self._resumed.discard(row.id)
+        why = engine.uncertain or "an earlier leader recorded it uncertain"
+        if row.state != UNCERTAIN:
+            await self._record(ctx, row, UNCERTAIN, {
+                "health": None, "detail": f"memory state unknown since {why}; never used again until it is "
+                                          f"replaced"[:500]})
+        # Asked at each look until a family takes it on (a stack refuses while it is not ready: a
+        # rebuild under way relaunches the engine anyway).
+        if self.replace is None or not await self.replace(row.id, f"engine {row.id} is uncertain ({why})"):
+            log.warning("engine %s is uncertain (%s): waiting for it to be replaced", row.id, why)
+        return Result(requeue_after=self.settings.retry_after_s)
+
+    async def _training(self, ctx: Context) -> str | None:
+        """The deployment's job being trained now (``RUNNING``), if any."""
+        j = models.training_jobs
+        async with ctx.journal.read() as conn:
+            found: str | None = (await conn.execute(sa.select(j.c.id).where(
+                j.c.deployment == self.settings.deployment, j.c.state == "RUNNING").limit(1))).scalar()
+        return found
 
     async def _publication(self, ctx: Context) -> tuple[Row | None, Row | None]:
         """The deployment's job in a publication state (if any) and its committed head (if any)."""
@@ -239,16 +346,25 @@ class EngineGateController(BaseController):
                 None if head is None else to_row("weight_versions", head._mapping))
 
     async def _record(self, ctx: Context, row: Row, state: str, changes: dict[str, Any]) -> None:
-        """Move the row only when what it records changed (every resync looks again)."""
-        engine = self.engines.get(row.id)
-        if engine is not None:
-            # The adapter's acknowledged state of each memory region (resident or released).
-            changes = {**changes, "memory": {region: str(getattr(st, "value", st))
-                                             for region, st in sorted(engine.memory.items())}}
-        if row.state == state and all(row[k] == v for k, v in changes.items()):
-            return
-        said = changes.get("detail") or f"serving {changes.get('serving_version')}"
-        await ctx.apply(Transition(KIND, row.id, row.state, row.version, state, str(said)[:200], changes))
+        await record_engine(ctx, row, self.engines.get(row.id), state, changes)
 
 
-__all__ = ["NOT_YET_KNOWN", "UNVERIFIED", "EngineGateController", "GateSettings", "engine_id", "sync_engines"]
+def memory_of(engine: InferenceEngine) -> dict[str, str]:
+    """The adapter's acknowledged state of each memory region (``resident`` or ``released``)."""
+    return {region: str(getattr(st, "value", st)) for region, st in sorted(engine.memory.items())}
+
+
+async def record_engine(ctx: Context, row: Row, engine: InferenceEngine | None, state: str,
+                        changes: dict[str, Any]) -> None:
+    """Move an ``engines`` row to ``state`` with ``changes`` and the engine's acknowledged memory,
+    only when what it records changed (every resync looks again)."""
+    if engine is not None:
+        changes = {**changes, "memory": memory_of(engine)}
+    if row.state == state and all(row[k] == v for k, v in changes.items()):
+        return
+    said = changes.get("detail") or f"serving {changes.get('serving_version')}"
+    await ctx.apply(Transition(KIND, row.id, row.state, row.version, state, str(said)[:200], changes))
+
+
+__all__ = ["NOT_YET_KNOWN", "UNCERTAIN", "UNVERIFIED", "EngineGateController", "Fresh", "GateSettings", "Replace",
+           "engine_id", "memory_of", "record_engine", "sync_engines"]

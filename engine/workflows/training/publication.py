@@ -17,7 +17,8 @@ the same version again), so a step interrupted by a crash is simply done again.
    sent, so every retry uses the same id.
 2. ``UPDATING_WEIGHTS``: have the trainer write the job's weights as the target version (it
    loads the job's checkpoint first if its latest step is not this job), load them on every
-   engine from disk, and check that every engine reports the target. Then, in one
+   engine from disk (after resuming its weights, should a colocated step have released them), and
+   check that every engine reports the target; then resume the KV cache and CUDA graphs. Then, in one
    transaction, ``READY_TO_COMMIT`` with ``runtime_load_id`` and the version ``loaded`` with the
    engines that confirmed it. The engines stay paused. A failure records why, counts the
    attempt, and the step is tried again later in full (engines paused again, weights written
@@ -27,8 +28,8 @@ the same version again), so a step interrupted by a crash is simply done again.
    the version ``committed`` and the job ``HEAD_COMMITTED`` with ``commit_acknowledged`` and the
    verdict — in one transaction; ``reject``: ``REJECTING`` with the verdict (step 5).
 4. ``HEAD_COMMITTED``: every engine must report the committed version (one that does not, such
-   as an engine restarted meanwhile, is paused and loads it from disk again); only then does
-   generation continue on every engine; ``COMPLETE``.
+   as an engine restarted meanwhile, is paused and loads it from disk again); only then, with
+   every memory region resident again, does generation continue on every engine; ``COMPLETE``.
 5. ``REJECTING`` (an operator's ``reject``): put the committed head back on every engine that
    serves another version and check it, put the trainer back on the head's checkpoint if it
    holds the rejected step, continue generation, and ``REJECTED``, the target ``rejected``.
@@ -57,6 +58,8 @@ from workers.inference.engine import InferenceEngine
 from engine.runtime.reconciler import Context, Result
 from engine.workflows.training.commit_gate import (CommitGate, CommitGateSettings, Wait, candidate_info,
                                                    incumbent_info)
+from engine.workflows.training.colocated import KV_AND_GRAPHS
+from engine.workflows.training.engine_gate import record_engine
 from engine.workflows.training.identity import LoadId
 
 log = logging.getLogger("tidelog.publication")
@@ -95,13 +98,24 @@ class Publisher:
         self._ensure_trainer = ensure_trainer
         # Replaces the trainer with a fresh one on its initial weights (False: it cannot be replaced).
         self._fresh_trainer = fresh_trainer
-        # Engine ids, recorded in ``confirmed_by`` (a plain sequence: their positions).
-        self.names = list(engines) if isinstance(engines, Mapping) else [str(i) for i in range(len(engines))]
-        self.engines = list(engines.values()) if isinstance(engines, Mapping) else list(engines)
+        # By engine id, recorded in ``confirmed_by`` (a plain sequence: their positions). A mapping is
+        # kept as given, not copied: the engine gate replaces an uncertain engine's adapter in it.
+        self._engines: Mapping[str, InferenceEngine] = (
+            engines if isinstance(engines, Mapping) else {str(i): e for i, e in enumerate(engines)})
         self.settings = settings
         self.gate = CommitGate(settings.gate)
         #: Held by every publication step and by the engine gate (engine/workflows/training/engine_gate.py).
         self.lock = asyncio.Lock()
+
+    @property
+    def names(self) -> list[str]:
+        """The engine ids, in engine order."""
+        return list(self._engines)
+
+    @property
+    def engines(self) -> list[InferenceEngine]:
+        """The engines' current adapters, in engine order."""
+        return list(self._engines.values())
 
     def weights_path(self, load_id: str) -> str:
         return str(Path(self.settings.weights_dir) / load_id.replace(":", "-"))
@@ -156,6 +170,14 @@ class Publisher:
             if isinstance(r, BaseException):
                 raise r
         return list(results)
+
+    async def _record_engines(self, ctx: Context, state: str, changes: dict[str, Any]) -> None:
+        """Each engine's row as this step left the engine, with its acknowledged memory (a row the
+        gate owns; written here too so that it does not lag until the gate's next look)."""
+        for name, engine in zip(self.names, self.engines, strict=True):
+            found = await ctx.get("engines", name)
+            if found is not None and found.state not in ("uncertain", "retired"):
+                await record_engine(ctx, found, engine, state, changes)
 
     async def head(self, ctx: Context) -> Row | None:
         """The deployment's committed version with the highest sequence."""
@@ -269,18 +291,25 @@ class Publisher:
                     return await self._lost(ctx, row)
                 await self._trainer("load_checkpoint", row["checkpoint_path"])
             await self._trainer("prepare_weights", {"version": target, "directory": path})
+            # Colocated training released the engines' memory: the weights come back before the new
+            # ones are loaded, the KV cache and graphs once every engine serves the target (each a
+            # no-op, sending nothing, for regions already resident).
+            await self._each(lambda e: e.resume_memory(("weights",)))
             await self._each(lambda e: e.update_weights_from_disk(path, target))
             served = await self._each(lambda e: e.weight_version())
             wrong = {i: v for i, v in enumerate(served) if v != target}
             if wrong:
                 raise RuntimeError(f"engines {sorted(wrong)} serve {sorted(set(map(str, wrong.values())))}, "
                                    f"not {target}")
+            await self._each(lambda e: e.resume_memory(KV_AND_GRAPHS))
         except Exception as exc:  # noqa: BLE001 - recorded, and the whole transfer is tried again
             why = f"transfer of {target} failed ({type(exc).__name__}: {exc}); trying again in full"
             log.warning("job %s: %s", row.id[:12], why)
             await ctx.apply(Transition(KIND, row.id, "UPDATING_WEIGHTS", row.version, "UPDATING_WEIGHTS", why[:200],
                                        {"detail": why, "publish_attempts": int(row["publish_attempts"]) + 1}))
             return Result(requeue_after=self.settings.retry_after_s)
+        await self._record_engines(ctx, "paused", {"paused": True, "serving_version": target,
+                                                   "detail": f"serves {target}, uncommitted: held paused"})
         version = await ctx.get(VERSIONS, target)
         ops: list[Transition] = [Transition(KIND, row.id, "UPDATING_WEIGHTS", row.version, "READY_TO_COMMIT",
                                             f"every engine serves {target}; still paused",
@@ -335,6 +364,7 @@ class Publisher:
                                f"must restart them")
         for engine in stale:
             await engine.pause_generation(self.settings.pause_mode)
+            await engine.resume_memory(("weights",))
             await engine.update_weights_from_disk(weights_path, version)
         served = await self._each(lambda e: e.weight_version())
         wrong = sorted({str(v) for v in served if v != version})
@@ -346,7 +376,10 @@ class Publisher:
         target: str = row["runtime_load_id"]
         version = await ctx.get(VERSIONS, target)
         await self._serve(target, None if version is None else version["weights_path"])
+        await self._each(lambda e: e.resume_memory())
         await self._each(lambda e: e.continue_generation())
+        await self._record_engines(ctx, "serving", {"paused": False, "serving_version": target, "health": "ok",
+                                                    "detail": None})
         await ctx.apply(Transition(KIND, row.id, "HEAD_COMMITTED", row.version, "COMPLETE",
                                    f"serving {target}", {"commit_acknowledged": True, "detail": None}))
         return Result()
@@ -355,8 +388,13 @@ class Publisher:
         head = await self.head(ctx)
         if head is not None:
             await self._serve(head.id, head["weights_path"])
-        # Every engine serves the committed head (or nothing was ever published): safe to generate.
+        # Every engine serves the committed head (or nothing was ever published): safe to generate,
+        # once a colocated step's released memory is back.
+        await self._each(lambda e: e.resume_memory())
         await self._each(lambda e: e.continue_generation())
+        if head is not None:
+            await self._record_engines(ctx, "serving", {"paused": False, "serving_version": head.id,
+                                                        "health": "ok", "detail": None})
         # The trainer must not carry the rejected step into the next job: back to the head's checkpoint.
         if self._ensure_trainer is not None:
             await self._ensure_trainer()

@@ -24,6 +24,7 @@ from engine.config import Settings
 from engine.runtime.clock import Clock
 from engine.runtime.restarts import RestartPolicy
 from engine.workflows.training.batching import BatchController, BatchingSettings
+from engine.workflows.training.colocated import ColocatedSettings
 from engine.workflows.training.commit_gate import CommitGateSettings, Evaluator
 from engine.workflows.training.engine_gate import EngineGateController, GateSettings, engine_id
 from engine.workflows.training.publication import PublicationSettings
@@ -75,11 +76,16 @@ def build_training(settings: Settings, clock: Clock | None = None) -> TrainingPa
     r = t.recovery
     host = TrainerHost(lambda: Executor.create(config),
                        RestartPolicy(r.max_restarts, r.window_s, tuple(r.delays_s), setting="training.recovery"), clock)
-    engines: dict[str, InferenceEngine] = {
-        engine_id(t.deployment, e.name): SGLangEngine(SGLangConfig(url=e.url, timeout=t.engine_timeout_s,
-                                                                   weight_update_timeout=t.weight_update_timeout_s,
-                                                                   api_key=settings.engine_api_key(e)))
-        for e in t.engines}
+    configs = {engine_id(t.deployment, e.name): SGLangConfig(url=e.url, timeout=t.engine_timeout_s,
+                                                             weight_update_timeout=t.weight_update_timeout_s,
+                                                             api_key=settings.engine_api_key(e))
+               for e in t.engines}
+
+    def fresh(engine: str) -> InferenceEngine:
+        """A new adapter for ``engine`` (the replacement of an uncertain one's: see the engine gate)."""
+        return SGLangEngine(configs[engine])
+    # One mapping, shared by the publisher and the engine gate (which replaces adapters in it).
+    engines: dict[str, InferenceEngine] = {name: fresh(name) for name in configs}
     publication = PublicationSettings(
         deployment=t.deployment, weights_dir=_absolute(t.weights_dir), pause_mode=t.pause_mode,
         retry_after_s=t.publish_retry_after_s,
@@ -91,9 +97,11 @@ def build_training(settings: Settings, clock: Clock | None = None) -> TrainingPa
     controller = TrainingController(host, TrainingSettings(
         checkpoint_dir=_absolute(t.checkpoint_dir), deployment=t.deployment, train_timeout_s=t.train_timeout_s,
         call_timeout_s=t.call_timeout_s, retry_after_s=t.retry_after_s, ranks=t.executor.workers),
-        publication=(engines, publication) if engines else None, clock=clock)
+        publication=(engines, publication) if engines else None, clock=clock,
+        colocated=ColocatedSettings(t.colocated.enabled, t.colocated.keep_base_resident))
     lock = controller.publisher.lock if controller.publisher is not None else asyncio.Lock()
-    gate = EngineGateController(engines, GateSettings(t.deployment, t.pause_mode, t.retry_after_s), lock)
+    gate = EngineGateController(engines, GateSettings(t.deployment, t.pause_mode, t.retry_after_s,
+                                                      colocated=t.colocated.enabled), lock, fresh=fresh)
     return TrainingParts(host, engines, controller, gate, batcher(settings))
 
 

@@ -29,10 +29,14 @@ def build(deps: Deps) -> Parts | None:
     if not t.enabled or "training_jobs" in deps.replaced:
         return None
     parts = build_training(deps.settings, deps.clock)
+    # An uncertain engine is replaced by whichever family runs it (the deployment's stack).
+    parts.gate.replace = deps.replace_engine
     engines: Mapping[str, str] = {e.name: e.url for e in t.engines}
 
     async def sync(tx: WriteTx) -> list[str]:
-        return await sync_engines(tx, t.deployment, engines)
+        touched = await sync_engines(tx, t.deployment, engines)
+        await parts.gate.adopt(tx)
+        return touched
 
     async def open_batch(tx: WriteTx) -> str:
         await ensure_head(tx, t.deployment, parts.controller.publisher.settings.initial_weights

@@ -315,3 +315,28 @@ async def test_die_next_kills_the_process_before_the_route_acts(tmp_path: Path) 
     finally:
         proc.kill()
     assert "dying (SIGKILL) on /pause_generation" in (tmp_path / "engine.log").read_text()
+
+
+async def test_an_adapter_told_of_a_durable_record_acts_on_it(target: Target, http: aiohttp.ClientSession,
+                                                              recorded: Recorded, engine: SGLangEngine) -> None:
+    """``note_released``: regions a journal row recorded released are resumed for real by a new
+    adapter (which otherwise takes them for resident and sends nothing); ``mark_uncertain``: a row
+    recorded uncertain makes a new adapter refuse every call, sending nothing."""
+    await engine.release_memory(["kv_cache", "cuda_graph"])
+    fresh = SGLangEngine(SGLangConfig(target.url, timeout=5, flush_interval=0.01), session=http)
+    recorded.calls.clear()
+    assert await fresh.resume_memory() == ()  # believes everything resident: nothing sent
+    assert recorded.paths() == []
+    fresh.note_released(["cuda_graph", "kv_cache"])
+    assert await fresh.resume_memory() == ("kv_cache", "cuda_graph")
+    assert recorded.paths() == ["/resume_memory_occupation"]
+    assert (await engine.generate("x", 1)).finish_reason["type"] == "length"  # resident again
+    await fresh.close()
+    doubted = SGLangEngine(SGLangConfig(target.url, timeout=5, flush_interval=0.01), session=http)
+    doubted.mark_uncertain("recorded uncertain by an earlier leader")
+    recorded.calls.clear()
+    for call in (doubted.pause_generation(), doubted.weight_version(), doubted.release_memory()):
+        with pytest.raises(EngineUncertainError, match="recorded uncertain by an earlier leader"):
+            await call
+    assert recorded.calls == []
+    await doubted.close()

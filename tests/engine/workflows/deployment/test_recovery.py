@@ -157,7 +157,8 @@ async def test_a_hung_service_fails_its_health_check_and_the_stack_is_rebuilt(jo
 
     settings = DeploymentSettingsModel.model_validate({
         "run_dir": str(tmp_path / "run"), "recovery": {"delays_s": [0.1]},
-        "health": {"interval_s": 0.2, "timeout_s": 0.5, "first_wait_s": 0.2},
+        # A 3 s timeout: the hung process never answers, and a healthy one on a loaded machine does.
+        "health": {"interval_s": 0.2, "timeout_s": 3.0, "first_wait_s": 0.2},
         "services": {"a": service(tmp_path, "a"), "b": service(tmp_path, "b", depends_on=["a"])}})
     journal = open_journal(Settings.model_validate({"journal": {"url": journal_url}}))
     stack = Stack(Plan.build(settings), "test-owner", SystemClock())

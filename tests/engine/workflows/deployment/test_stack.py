@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +23,7 @@ import pytest
 import sqlalchemy as sa
 import yaml
 
+from engine.demos.ports import free_port
 from journal import Journal, models
 
 
@@ -35,17 +34,8 @@ pytestmark = pytest.mark.slow
 
 
 def service_port() -> int:
-    """A free port for a service to listen on, below Linux's ephemeral range (32768 and up): a port
-    the OS handed out as ephemeral may be taken again by any outgoing connection before the service
-    binds it, which a loaded machine with many connections does."""
-    while True:
-        port = random.randrange(20_000, 32_000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return port
+    """A free port for a service to listen on (outside the ephemeral range: engine.demos.ports)."""
+    return free_port()
 
 
 def service(tmp: Path, name: str, *extra: str, port: bool = True, **more: Any) -> dict[str, Any]:
