@@ -12,7 +12,8 @@ journal still has on their checkpointed attempt (:func:`.restore.still_on_their_
   is ready and each participant it serves is probed healthy (``participants_held``).
 - ``/readyz`` waits for that restore's end (:meth:`AfterRebuild.held`): ``done``, or ``failed``
   (rolled back, its rollouts started over from their input, which is what they would have done
-  without it).
+  without it). Read from the journal (a rebuild's restore is named ``rs-rebuild-...``), so an
+  orchestrator that takes over while it runs holds readiness for it too.
 - Nothing to restore (no checkpoint published, none of its episodes still on that attempt) or a
   checkpoint or restore already open: no row, and the rebuild goes on as before, saying why in the
   log. A restore is never a reason for the stack's supervisor to stop.
@@ -37,6 +38,8 @@ from engine.workflows.checkpoint.restore import (
 from engine.workflows.checkpoint.rules import WorkflowOpen, refuse_while_open
 
 log = logging.getLogger("tidelog.restore")
+#: The id prefix of the restores a rebuild asks for (``/readyz`` waits for them).
+REBUILD_PREFIX = "rs-rebuild-"
 
 
 class AfterRebuild:
@@ -44,7 +47,7 @@ class AfterRebuild:
 
     def __init__(self, write: FencedWrite, read: Callable[[], Any], directory: str) -> None:
         self.write, self.read, self.directory = write, read, directory
-        #: The restore the last rebuild asked for, until ``held`` sees it ended.
+        #: The restore the last rebuild of this process asked for (for the log and the tests).
         self.restore_id: str | None = None
 
     async def restore(self, why: str) -> None:
@@ -52,14 +55,9 @@ class AfterRebuild:
         self.restore_id = await request_restore(self.write, self.directory, why)
 
     async def held(self) -> str | None:
-        """``not_ready``: why ``/readyz`` waits for the rebuild's restore, or ``None``."""
-        if self.restore_id is None:
-            return None
+        """``not_ready``: why ``/readyz`` waits for a rebuild's restore still open, or ``None``."""
         async with self.read() as conn:
-            why = await restore_held(conn, self.restore_id)
-        if why is None:
-            self.restore_id = None
-        return why
+            return await restore_held(conn)
 
 
 async def request_restore(write: FencedWrite, directory: str, why: str) -> str | None:
@@ -74,7 +72,7 @@ async def request_restore(write: FencedWrite, directory: str, why: str) -> str |
         log.warning("rebuild: reading the latest checkpoint of %s timed out; the participants are not restored",
                     directory)
         return None
-    restore_id = f"rs-rebuild-{secrets.token_hex(4)}"
+    restore_id = f"{REBUILD_PREFIX}{secrets.token_hex(4)}"
 
     async def step(tx: WriteTx) -> str | None:
         kept = await still_on_their_attempt(tx, scope)
@@ -98,11 +96,14 @@ async def request_restore(write: FencedWrite, directory: str, why: str) -> str |
     return restore_id
 
 
-async def restore_held(conn: Any, restore_id: str) -> str | None:
-    """Why readiness waits for the rebuild's restore (one line), or ``None`` once it has ended."""
+async def restore_held(conn: Any) -> str | None:
+    """Why readiness waits for a rebuild's restore (one line, naming the oldest still open), or
+    ``None`` when none is open. An operator's restore does not hold readiness."""
     r = models.restores
-    row = (await conn.execute(sa.select(r.c.state, r.c.checkpoint_id).where(r.c.id == restore_id))).first()
-    if row is None or row.state in RESTORES.terminal:
+    row = (await conn.execute(sa.select(r.c.id, r.c.state, r.c.checkpoint_id).where(
+        r.c.id.like(f"{REBUILD_PREFIX}%"), r.c.state.not_in(list(RESTORES.terminal)))
+        .order_by(r.c.created_at, r.c.id).limit(1))).first()
+    if row is None:
         return None
-    return f"the participants are being restored from checkpoint {row.checkpoint_id} (restore {restore_id} " \
+    return f"the participants are being restored from checkpoint {row.checkpoint_id} (restore {row.id} " \
            f"is {row.state})"

@@ -157,6 +157,10 @@ class EngineGateController(BaseController):
         self.fresh = fresh
         #: Set after build (the deployment family is built after this one): see :data:`Replace`.
         self.replace = replace
+        # Uncertain engines whose wait for a replacement this process has logged (once each).
+        self._waiting: set[str] = set()
+        # Replaced adapters being closed (kept referenced until they are).
+        self._closing: set[asyncio.Task[None]] = set()
         # Engines this process has already resumed on the head: a later look that finds the same
         # version and no pause recorded needs no call. The first look of a process always resumes,
         # since a crash can leave an engine paused without the row saying so.
@@ -205,7 +209,10 @@ class EngineGateController(BaseController):
             old, engine = engine, self.fresh(row.id)
             self.engines[row.id] = engine
             self._resumed.discard(row.id)
-            asyncio.ensure_future(old.close())
+            self._waiting.discard(row.id)
+            closing = asyncio.ensure_future(old.close())
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
         return engine
 
     async def _gate(self, ctx: Context, row: Row, engine: InferenceEngine) -> Result:
@@ -229,8 +236,7 @@ class EngineGateController(BaseController):
                 return Result()
         job, head = await self._publication(ctx)
         if job is not None and job.state in UNCOMMITTED:
-            await self._hold_paused(ctx, row, engine, version, f"job {job.id[:12]} {job.state}: held paused until "
-                                                               f"its candidate is committed or rejected")
+            await self._hold_paused(ctx, row, engine, version, held_uncommitted(job.id, job.state))
             return Result()
         if job is not None and job.state == "CHECKPOINT" and job["pause_intent_at"] is not None:
             # The publisher began pausing every engine (its intent is durable) and has not yet got
@@ -321,7 +327,9 @@ class EngineGateController(BaseController):
         # Asked at each look until a family takes it on (a stack refuses while it is not ready: a
         # rebuild under way relaunches the engine anyway).
         if self.replace is None or not await self.replace(row.id, f"engine {row.id} is uncertain ({why})"):
-            log.warning("engine %s is uncertain (%s): waiting for it to be replaced", row.id, why)
+            if row.id not in self._waiting:
+                self._waiting.add(row.id)
+                log.warning("engine %s is uncertain (%s): waiting for it to be replaced", row.id, why)
         return Result(requeue_after=self.settings.retry_after_s)
 
     async def _training(self, ctx: Context) -> str | None:
@@ -354,17 +362,31 @@ def memory_of(engine: InferenceEngine) -> dict[str, str]:
     return {region: str(getattr(st, "value", st)) for region, st in sorted(engine.memory.items())}
 
 
-async def record_engine(ctx: Context, row: Row, engine: InferenceEngine | None, state: str,
-                        changes: dict[str, Any]) -> None:
-    """Move an ``engines`` row to ``state`` with ``changes`` and the engine's acknowledged memory,
-    only when what it records changed (every resync looks again)."""
+def held_uncommitted(job_id: str, state: str) -> str:
+    """An engine row's ``detail`` while a job's candidate is uncommitted (the gate's and the
+    publisher's words: the same, so that neither rewrites the row the other left)."""
+    return f"job {job_id[:12]} {state}: held paused until its candidate is committed or rejected"
+
+
+def engine_transition(row: Row, engine: InferenceEngine | None, state: str,
+                      changes: dict[str, Any]) -> Transition | None:
+    """The move of an ``engines`` row to ``state`` with ``changes`` and the engine's acknowledged
+    memory; ``None`` when it would record nothing new (every resync looks again)."""
     if engine is not None:
         changes = {**changes, "memory": memory_of(engine)}
     if row.state == state and all(row[k] == v for k, v in changes.items()):
-        return
+        return None
     said = changes.get("detail") or f"serving {changes.get('serving_version')}"
-    await ctx.apply(Transition(KIND, row.id, row.state, row.version, state, str(said)[:200], changes))
+    return Transition(KIND, row.id, row.state, row.version, state, str(said)[:200], changes)
+
+
+async def record_engine(ctx: Context, row: Row, engine: InferenceEngine | None, state: str,
+                        changes: dict[str, Any]) -> None:
+    """Apply :func:`engine_transition` (when it records anything)."""
+    move = engine_transition(row, engine, state, changes)
+    if move is not None:
+        await ctx.apply(move)
 
 
 __all__ = ["NOT_YET_KNOWN", "UNCERTAIN", "UNVERIFIED", "EngineGateController", "Fresh", "GateSettings", "Replace",
-           "engine_id", "memory_of", "record_engine", "sync_engines"]
+           "engine_id", "engine_transition", "held_uncommitted", "memory_of", "record_engine", "sync_engines"]

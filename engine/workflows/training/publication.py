@@ -59,7 +59,7 @@ from engine.runtime.reconciler import Context, Result
 from engine.workflows.training.commit_gate import (CommitGate, CommitGateSettings, Wait, candidate_info,
                                                    incumbent_info)
 from engine.workflows.training.colocated import KV_AND_GRAPHS
-from engine.workflows.training.engine_gate import record_engine
+from engine.workflows.training.engine_gate import engine_transition, held_uncommitted
 from engine.workflows.training.identity import LoadId
 
 log = logging.getLogger("tidelog.publication")
@@ -171,13 +171,18 @@ class Publisher:
                 raise r
         return list(results)
 
-    async def _record_engines(self, ctx: Context, state: str, changes: dict[str, Any]) -> None:
-        """Each engine's row as this step left the engine, with its acknowledged memory (a row the
-        gate owns; written here too so that it does not lag until the gate's next look)."""
+    async def _engine_rows(self, ctx: Context, state: str, changes: dict[str, Any]) -> list[Transition]:
+        """Each engine's row as this step leaves the engine, with its acknowledged memory: written
+        in the step's own transaction (the gate owns the rows, and would otherwise lag until its
+        next look; it then finds them as it would write them, and writes nothing)."""
+        ops = []
         for name, engine in zip(self.names, self.engines, strict=True):
             found = await ctx.get("engines", name)
             if found is not None and found.state not in ("uncertain", "retired"):
-                await record_engine(ctx, found, engine, state, changes)
+                move = engine_transition(found, engine, state, changes)
+                if move is not None:
+                    ops.append(move)
+        return ops
 
     async def head(self, ctx: Context) -> Row | None:
         """The deployment's committed version with the highest sequence."""
@@ -308,8 +313,6 @@ class Publisher:
             await ctx.apply(Transition(KIND, row.id, "UPDATING_WEIGHTS", row.version, "UPDATING_WEIGHTS", why[:200],
                                        {"detail": why, "publish_attempts": int(row["publish_attempts"]) + 1}))
             return Result(requeue_after=self.settings.retry_after_s)
-        await self._record_engines(ctx, "paused", {"paused": True, "serving_version": target,
-                                                   "detail": f"serves {target}, uncommitted: held paused"})
         version = await ctx.get(VERSIONS, target)
         ops: list[Transition] = [Transition(KIND, row.id, "UPDATING_WEIGHTS", row.version, "READY_TO_COMMIT",
                                             f"every engine serves {target}; still paused",
@@ -319,6 +322,8 @@ class Publisher:
             ops.append(Transition(VERSIONS, target, "target", version.version, "loaded",
                                   f"loaded by {len(self.engines)} engines",
                                   {"confirmed_by": list(self.names)}))
+        ops += await self._engine_rows(ctx, "paused", {"health": "ok", "paused": True, "serving_version": target,
+                                                       "detail": held_uncommitted(row.id, "READY_TO_COMMIT")})
         await ctx.apply(*ops)
         return Result()
 
@@ -378,10 +383,10 @@ class Publisher:
         await self._serve(target, None if version is None else version["weights_path"])
         await self._each(lambda e: e.resume_memory())
         await self._each(lambda e: e.continue_generation())
-        await self._record_engines(ctx, "serving", {"paused": False, "serving_version": target, "health": "ok",
-                                                    "detail": None})
         await ctx.apply(Transition(KIND, row.id, "HEAD_COMMITTED", row.version, "COMPLETE",
-                                   f"serving {target}", {"commit_acknowledged": True, "detail": None}))
+                                   f"serving {target}", {"commit_acknowledged": True, "detail": None}),
+                        *await self._engine_rows(ctx, "serving", {"health": "ok", "paused": False,
+                                                                  "serving_version": target, "detail": None}))
         return Result()
 
     async def _reject(self, ctx: Context, row: Row) -> Result:
@@ -392,9 +397,6 @@ class Publisher:
         # once a colocated step's released memory is back.
         await self._each(lambda e: e.resume_memory())
         await self._each(lambda e: e.continue_generation())
-        if head is not None:
-            await self._record_engines(ctx, "serving", {"paused": False, "serving_version": head.id,
-                                                        "health": "ok", "detail": None})
         # The trainer must not carry the rejected step into the next job: back to the head's checkpoint.
         if self._ensure_trainer is not None:
             await self._ensure_trainer()
@@ -420,6 +422,9 @@ class Publisher:
                 await self._trainer("load_checkpoint", restore["checkpoint_path"])
         ops = [Transition(KIND, row.id, "REJECTING", row.version, "REJECTED",
                           f"incumbent {head.id if head else '(none)'} serving again", {"detail": None})]
+        if head is not None:
+            ops += await self._engine_rows(ctx, "serving", {"health": "ok", "paused": False,
+                                                            "serving_version": head.id, "detail": None})
         target = row["target_load_id"]
         version = await ctx.get(VERSIONS, target) if target else None
         if version is not None and version.state in ("target", "loaded"):
