@@ -240,6 +240,11 @@ class TrainingWorkflowSettings(_Strict):
         if self.commit != "evaluate" and self.evaluator.callable is not None:
             raise ValueError(f"training.evaluator.callable is set but training.commit is {self.commit!r} "
                              f"(it is used only by 'evaluate')")
+        if self.colocated.enabled and self.pause_mode == "in_place":
+            # Requests left running in place make the engine refuse the release (and a failed
+            # release makes it uncertain, and replaced, at every step).
+            raise ValueError("training.colocated.enabled needs training.pause_mode 'abort' or 'retract', not "
+                             "'in_place': an engine cannot release its memory under running requests")
         if self.commit != "acknowledge" and self.acknowledge_timeout_s is not None:
             raise ValueError(f"training.acknowledge_timeout_s is set but training.commit is {self.commit!r} "
                              f"(it applies only to 'acknowledge')")

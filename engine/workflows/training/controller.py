@@ -55,7 +55,7 @@ from workers.inference.engine import InferenceEngine, RegionState
 from engine.runtime.clock import Clock, SystemClock
 from engine.runtime.reconciler import BaseController, Context, Result
 from engine.workflows.training.colocated import ColocatedSettings, release_for_training
-from engine.workflows.training.engine_gate import record_engine
+from engine.workflows.training.engine_gate import held_for_training, record_engine
 from engine.workflows.training.publication import PublicationSettings, Publisher
 from engine.workflows.training.trainer_host import TrainerRestartPending
 
@@ -219,7 +219,10 @@ class TrainingController(BaseController):
                 return await self._not_trained(ctx, row, f"the trainer is not ready ({type(exc).__name__}: {exc}); "
                                                          f"train not called, trying again")
             if self.colocated.enabled and self.publisher is not None:
-                why = await self._release_engines(ctx, row)
+                try:
+                    why = await self._release_engines(ctx, row)
+                except Exception as exc:  # noqa: BLE001 - train was not called: the job stays RUNNING, ours to train
+                    why = f"colocated training: {type(exc).__name__}: {exc}; train not called, trying again"[:500]
                 if why is not None:
                     return await self._not_trained(ctx, row, why)
             return await self._train(ctx, row, health)
@@ -265,8 +268,7 @@ class TrainingController(BaseController):
                                                   f"again until it is replaced"[:500]})
                 elif all(engine.memory[r] is RegionState.RELEASED for r in regions):
                     await record_engine(ctx, found, engine, "paused", {
-                        "paused": True, "detail": f"paused, {', '.join(regions)} released for the colocated "
-                                                  f"training of job {row.id[:12]}"})
+                        "health": "ok", "paused": True, "detail": held_for_training(row.id, engine)})
         if failed is not None:
             return (f"colocated training: releasing the engines' memory failed ({failed}); train not called, "
                     f"trying again")[:500]

@@ -105,14 +105,14 @@ async def sync_engines(tx: WriteTx, deployment: str, configured: Mapping[str, st
             await tx.create(KIND, name, reason="configured", values={"deployment": deployment, "url": url})
         elif row.state == "retired":
             await tx.transition(KIND, name, from_state="retired", version=row.version, to_state="registered",
-                                reason="configured again", changes={"url": url, "detail": None})
+                                reason="configured again", changes={"url": url, "detail": None, "memory": None})
         elif row.url != url:
             await tx.transition(KIND, name, from_state=row.state, version=row.version, to_state="retired",
                                 reason=f"url changed to {url}")
             await tx.transition(KIND, name, from_state="retired", version=row.version + 1, to_state="registered",
                                 reason="configured with a new url", changes={"url": url, "instance": None,
                                                                              "serving_version": None,
-                                                                             "detail": None})
+                                                                             "detail": None, "memory": None})
         elif row.state == UNCERTAIN:
             continue  # stays so until the engine is replaced: this leader knows no more of it
         elif row.state != UNVERIFIED:
@@ -179,24 +179,42 @@ class EngineGateController(BaseController):
             return await self._gate(ctx, row, self._adapter(row, engine))
 
     async def adopt(self, tx: WriteTx) -> None:
-        """On election, after ``sync_engines`` (so before any controller calls an engine): tell each
-        adapter what its row recorded. An ``uncertain`` row's adapter refuses every call (a new
-        process's adapter would not know the engine's state either), and a relaunch of its engine
-        gets a fresh one; regions recorded released are taken as released (a crash may have left
-        them so, and a new adapter takes every region for resident)."""
-        t = models.engines
-        for r in (await tx.execute(sa.select(t.c.id, t.c.state, t.c.version, t.c.memory, t.c.detail).where(
+        """On election, after ``sync_engines`` (so before any controller calls an engine): a fresh
+        adapter for every engine (what one kept from an earlier term of this process may be stale:
+        another leader may have replaced or resumed the engine since), told what its row recorded.
+        An ``uncertain`` row's adapter refuses every call (a new adapter would not know the
+        engine's state either); a relaunch of its engine gets a fresh one. Regions recorded
+        released are taken as released (a crash may have left them so), except on an engine a
+        service of the stack runs: the new leader's stack relaunches it, every region resident."""
+        t, s = models.engines, models.services
+        managed = {r.engine for r in (await tx.execute(sa.select(s.c.engine).where(
+            s.c.engine.is_not(None), s.c.desired != "removed"))).all()}
+        for r in (await tx.execute(sa.select(t.c.id, t.c.state, t.c.memory, t.c.detail).where(
                 t.c.deployment == self.settings.deployment))).all():
             engine = self.engines.get(r.id)
             if engine is None or r.state == "retired":
                 continue
+            if self.fresh is not None:
+                engine = self._swap(r.id, engine)
             if r.state == UNCERTAIN:
-                engine.mark_uncertain(str(r.detail or "recorded uncertain by an earlier leader"))
+                engine.mark_uncertain(f"recorded uncertain by an earlier leader ({r.detail or 'no detail'})")
                 continue
             memory = r.memory if isinstance(r.memory, Mapping) else {}
             released = [g for g in REGIONS if memory.get(g) == RegionState.RELEASED.value]
-            if released:
+            if released and r.id not in managed:
                 engine.note_released(released)
+
+    def _swap(self, engine_id: str, old: InferenceEngine) -> InferenceEngine:
+        """Put a fresh adapter in ``old``'s place (for the gate and the publisher) and close ``old``."""
+        assert self.fresh is not None
+        engine = self.fresh(engine_id)
+        self.engines[engine_id] = engine
+        self._resumed.discard(engine_id)
+        self._waiting.discard(engine_id)
+        closing = asyncio.ensure_future(old.close())
+        self._closing.add(closing)
+        closing.add_done_callback(self._closing.discard)
+        return engine
 
     def _adapter(self, row: Row, engine: InferenceEngine) -> InferenceEngine:
         """The adapter to look with: a fresh one when the engine's process was relaunched (its
@@ -206,13 +224,7 @@ class EngineGateController(BaseController):
         stale = engine.uncertain is not None or any(st is RegionState.RELEASED for st in engine.memory.values())
         if relaunched and stale and self.fresh is not None:
             log.info("engine %s: its process was relaunched; a fresh adapter for the new one", row.id)
-            old, engine = engine, self.fresh(row.id)
-            self.engines[row.id] = engine
-            self._resumed.discard(row.id)
-            self._waiting.discard(row.id)
-            closing = asyncio.ensure_future(old.close())
-            self._closing.add(closing)
-            closing.add_done_callback(self._closing.discard)
+            engine = self._swap(row.id, engine)
         return engine
 
     async def _gate(self, ctx: Context, row: Row, engine: InferenceEngine) -> Result:
@@ -231,9 +243,8 @@ class EngineGateController(BaseController):
         if self.settings.colocated:
             training = await self._training(ctx)
             if training is not None:
-                await self._hold_paused(ctx, row, engine, version, f"job {training[:12]} RUNNING (colocated "
-                                                                   f"training): held paused, memory as the step left it")
-                return Result()
+                await self._hold_paused(ctx, row, engine, version, held_for_training(training, engine))
+                return retry  # looked at again once the step is over (its end does not wake this row)
         job, head = await self._publication(ctx)
         if job is not None and job.state in UNCOMMITTED:
             await self._hold_paused(ctx, row, engine, version, held_uncommitted(job.id, job.state))
@@ -294,12 +305,10 @@ class EngineGateController(BaseController):
             try:
                 # Whatever a colocated step (or a crash during one) left released comes back first.
                 await engine.resume_memory()
-            except Exception as exc:  # noqa: BLE001 - an uncertain engine is replaced; else looked at again
-                if engine.uncertain is not None:
-                    return await self._uncertain(ctx, row, engine)
-                await self._record(ctx, row, row.state, {"detail": f"resuming its memory failed "
-                                                                   f"({type(exc).__name__}: {exc})"[:500]})
-                return retry
+            except Exception:
+                if engine.uncertain is None:
+                    raise  # not a region call's failure (those make the adapter uncertain)
+                return await self._uncertain(ctx, row, engine)
             await engine.continue_generation()
             self._resumed.add(row.id)
         await self._record(ctx, row, "serving", {"health": "ok", "paused": False, "serving_version": version,
@@ -362,6 +371,14 @@ def memory_of(engine: InferenceEngine) -> dict[str, str]:
     return {region: str(getattr(st, "value", st)) for region, st in sorted(engine.memory.items())}
 
 
+def held_for_training(job_id: str, engine: InferenceEngine) -> str:
+    """An engine row's ``detail`` while a job's colocated step runs (the training controller's and
+    the gate's words: the same, so that neither rewrites the row the other left)."""
+    released = [r for r, st in engine.memory.items() if st is RegionState.RELEASED]
+    return (f"job {job_id[:12]} RUNNING: held paused for its colocated training step; released: "
+            f"{', '.join(sorted(released)) or 'nothing'}")
+
+
 def held_uncommitted(job_id: str, state: str) -> str:
     """An engine row's ``detail`` while a job's candidate is uncommitted (the gate's and the
     publisher's words: the same, so that neither rewrites the row the other left)."""
@@ -389,4 +406,4 @@ async def record_engine(ctx: Context, row: Row, engine: InferenceEngine | None, 
 
 
 __all__ = ["NOT_YET_KNOWN", "UNCERTAIN", "UNVERIFIED", "EngineGateController", "Fresh", "GateSettings", "Replace",
-           "engine_id", "engine_transition", "held_uncommitted", "memory_of", "record_engine", "sync_engines"]
+           "engine_id", "engine_transition", "held_for_training", "held_uncommitted", "memory_of", "record_engine", "sync_engines"]

@@ -82,6 +82,8 @@ class PublicationSettings:
     initial_weights: str | None = None
     #: Who decides that a READY_TO_COMMIT candidate becomes the head (``training.commit``).
     gate: CommitGateSettings = CommitGateSettings()
+    #: Colocated training: the steps that give memory back also record the engines rows they leave.
+    colocated: bool = False
 
 
 class Publisher:
@@ -172,13 +174,17 @@ class Publisher:
         return list(results)
 
     async def _engine_rows(self, ctx: Context, state: str, changes: dict[str, Any]) -> list[Transition]:
-        """Each engine's row as this step leaves the engine, with its acknowledged memory: written
-        in the step's own transaction (the gate owns the rows, and would otherwise lag until its
-        next look; it then finds them as it would write them, and writes nothing)."""
-        ops = []
+        """Colocated training: each engine's row as this step leaves the engine, with its memory as
+        acknowledged, written in the step's own transaction (the gate owns the rows, and would
+        otherwise show the memory a step released until its next look; it then finds them as it
+        would write them, and writes nothing). A row the gate has not looked at since an election
+        or a relaunch is left to it; nothing is written without colocated training."""
+        ops: list[Transition] = []
+        if not self.settings.colocated:
+            return ops
         for name, engine in zip(self.names, self.engines, strict=True):
             found = await ctx.get("engines", name)
-            if found is not None and found.state not in ("uncertain", "retired"):
+            if found is not None and found.state not in ("uncertain", "retired", "registered", "unverified"):
                 move = engine_transition(found, engine, state, changes)
                 if move is not None:
                     ops.append(move)

@@ -90,6 +90,7 @@ def build_training(settings: Settings, clock: Clock | None = None) -> TrainingPa
         deployment=t.deployment, weights_dir=_absolute(t.weights_dir), pause_mode=t.pause_mode,
         retry_after_s=t.publish_retry_after_s,
         initial_weights=None if t.initial_weights is None else _absolute(t.initial_weights),
+        colocated=t.colocated.enabled,
         gate=CommitGateSettings(
             mode=t.commit, acknowledge_timeout_s=t.acknowledge_timeout_s, on_acknowledge_timeout=t.on_acknowledge_timeout,
             evaluator=None if t.evaluator.callable is None else Evaluator(t.evaluator.callable, t.evaluator.kwargs),

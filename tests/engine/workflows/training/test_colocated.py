@@ -70,6 +70,15 @@ async def engine_row(journal: Journal, engine: str) -> dict[str, Any]:
                     .one()._mapping)
 
 
+async def releases_refused(journal: Journal, job: str) -> int:
+    """How many times the job's step was said to wait for a failed release (its RUNNING self-edges)."""
+    e = models.events
+    async with journal.read() as conn:
+        return len((await conn.execute(sa.select(e.c.seq).where(
+            e.c.entity_kind == "training_jobs", e.c.entity_id == job, e.c.from_state == "RUNNING",
+            e.c.to_state == "RUNNING", e.c.reason.like("%releasing the engines' memory failed%")))).all())
+
+
 def first(history: list[list[Any]], event: str, version: str | None = None, start: int = 0) -> int:
     """The index of the first ``event`` (on ``version``, if given) at or after ``start``."""
     found = [i for i, (e, v, _) in enumerate(history) if i >= start and e == event and version in (None, v)]
@@ -103,7 +112,8 @@ async def test_memory_is_released_before_each_step_and_taken_back_by_publication
             assert continued and set(continued) == {head}, (name, history)
             # The journal recorded the release, acknowledged, before the step was trained.
             said = await engine_events(orch.journal, f"dep/{name}")
-            released_at = [e["seq"] for e in said if "released for the colocated training" in e["reason"]]
+            released_at = [e["seq"] for e in said if e["reason"] == f"job {job[:12]} RUNNING: held paused for its "
+                           f"colocated training step; released: cuda_graph, kv_cache, weights"]
             assert released_at and released_at[0] < step, (name, said, step)
             final = await engine_row(orch.journal, f"dep/{name}")
             assert final["state"] == "serving" and final["memory"] == dict.fromkeys(
@@ -188,6 +198,7 @@ async def test_an_uncertain_engine_nothing_manages_is_never_used_again(journal_u
                      "engines": [{"name": n, "url": u} for n, u in urls.items()]}})
     fail_next(urls["e1"], "/release_memory_occupation")
     recorded: dict[str, Any] = {}
+    refused = 0
     for life in ("first", "second"):
         orch = Orchestrator(settings, unbuilt=["discovery"])
         await orch.start()
@@ -202,10 +213,11 @@ async def test_an_uncertain_engine_nothing_manages_is_never_used_again(journal_u
                 return state == "uncertain"
             await wait_for(uncertain, "e1 uncertain")
 
-            async def held() -> dict[str, Any] | None:
-                row = await until_state(orch.journal, job, "RUNNING", "AMBIGUOUS")
-                return row if "releasing the engines' memory failed" in (row["detail"] or "") else None
+            async def held() -> bool:
+                # A new refusal of the step by this life's leader (the first life's are counted).
+                return await releases_refused(orch.journal, job) > refused
             await wait_for(held, "the step held by the failed release")
+            refused = await releases_refused(orch.journal, job)
             seen = http_json(f"{urls['e1']}/_test/history")["history"]
             # Five tries of the step (0.2 s apart) and as many gate looks later: nothing reached it.
             await asyncio.sleep(1.0)
@@ -221,3 +233,9 @@ async def test_an_uncertain_engine_nothing_manages_is_never_used_again(journal_u
             assert ("RUNNING", "CHECKPOINT") not in await edges(orch.journal, job)
         finally:
             await orch.stop()
+
+
+def test_colocated_training_refuses_in_place_pausing() -> None:
+    with pytest.raises(ValueError, match="training.colocated.enabled needs training.pause_mode 'abort' or 'retract'"):
+        Settings.model_validate({"training": {"enabled": True, "pause_mode": "in_place", "colocated": {"enabled": True},
+                                              "engines": [{"name": "e0", "url": "http://127.0.0.1:9"}]}})
