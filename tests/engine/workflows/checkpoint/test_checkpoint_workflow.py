@@ -65,14 +65,19 @@ async def run_checkpoint(orch: Orchestrator, checkpoint_id: str, directory: Path
 
 async def test_a_checkpoint_mid_episode_is_published_and_everyone_resumed(
         journal_url: str, procs: Procs, controller: ParticipantClient, tmp_path: Path) -> None:
+    # Steps of 0.5 s: an episode (four turns of act and check, then verify) lasts 4.5 s. They start
+    # once the orchestrator sees every participant healthy, so the checkpoint comes mid-episode on a
+    # loaded machine too (0.2 s steps, started before the orchestrator, all ended first once).
     stack = await start_stack(procs, {k: tmp_path / "state" / k for k in
-                                      ("environment", "model", "agent", "resources")}, env_delay=0.2)
-    runs = [asyncio.create_task(controller.run(stack.url("environment"), f"r{i}", {"prompt": f"p{i}", "turns": 4}))
-            for i in range(3)]
-    await asyncio.sleep(0.5)  # the episodes are mid-way
+                                      ("environment", "model", "agent", "resources")}, env_delay=0.5)
     orch = Orchestrator(settings(journal_url, stack, prepare_timeout_s=10))
     await orch.start()
+    runs = []
     try:
+        await all_healthy(orch)
+        runs = [asyncio.create_task(controller.run(stack.url("environment"), f"r{i}", {"prompt": f"p{i}", "turns": 4}))
+                for i in range(3)]
+        await asyncio.sleep(0.7)  # the episodes are mid-way
         # Sent by this test, recorded in the journal as its own dispatch: the checkpoint's scope is
         # the journal's (r3 is dispatched in the journal only: committed, nothing of it exported).
         row = await run_checkpoint(orch, "ck-1", tmp_path / "ckpts",
@@ -134,13 +139,18 @@ async def test_a_checkpoint_mid_episode_is_published_and_everyone_resumed(
 STEP, PREPARE = 6.0, 3.0
 
 
-async def slow_episode_in_check(orch: Orchestrator, url: str, call: Any) -> asyncio.Task[Any]:
-    """With every participant healthy, start the slow episode with ``call`` (a coroutine function
-    of the environment's URL) and return once it is inside its first ``check``."""
+async def all_healthy(orch: Orchestrator) -> None:
+    """Until the orchestrator has probed all four participants healthy."""
     async def healthy() -> bool:
         rows = await table(orch, models.participants)
         return len(rows) == 4 and all(r["state"] == "healthy" for r in rows.values())
     await until(healthy)
+
+
+async def slow_episode_in_check(orch: Orchestrator, url: str, call: Any) -> asyncio.Task[Any]:
+    """With every participant healthy, start the slow episode with ``call`` (a coroutine function
+    of the environment's URL) and return once it is inside its first ``check``."""
+    await all_healthy(orch)
     run = asyncio.create_task(call(url))
     await asyncio.sleep(STEP + 0.5)
     return run
