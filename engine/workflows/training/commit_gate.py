@@ -91,12 +91,12 @@ class Evaluator:
     async def evaluate(self, candidate: dict[str, Any], incumbent: dict[str, Any] | None,
                        timeout: float) -> dict[str, Any]:
         """The checked reply, from this evaluator's own thread. An evaluation still running from an
-        earlier look is waited for (its reply is for the same candidate: one job is in flight per
-        deployment) rather than started again. A reply later than ``timeout`` raises ``TimeoutError``;
+        earlier look, or ended since without its reply taken, is waited for (its reply is for the
+        same candidate: one job is in flight per deployment) rather than started again. A reply later than ``timeout`` raises ``TimeoutError``;
         one still running for another candidate raises ``RuntimeError`` (asked again later)."""
         key = (candidate.get("job_id"), candidate.get("load_id"))
-        if self._running is not None and self._running[1].done():
-            self._running = None
+        if self._running is not None and self._running[1].done() and self._running[0] != key:
+            self._running = None  # an earlier candidate's, ended: nobody waits for it any more
         if self._running is None:
             self._running = (key, self._pool.submit(self, candidate, incumbent))
         elif self._running[0] != key:
@@ -104,13 +104,18 @@ class Evaluator:
                                f"still running; this one waits for its thread")
         running = self._running[1]
         try:
-            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(running)), timeout)
+            reply = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(running)), timeout)
         except TimeoutError:
+            # Kept, even if it ended just now: the next look takes its reply instead of asking again
+            # (a reply that came in between the timeout and this line was lost, and asked twice).
             raise TimeoutError(f"the evaluator did not reply within {timeout:g} s (still running; the next "
                                f"look waits for it)") from None
-        finally:
+        except BaseException:
             if running.done():
-                self._running = None
+                self._running = None  # the evaluation itself failed: asked again later
+            raise
+        self._running = None  # its reply is taken
+        return reply
 
 
 def check_reply(reply: Any) -> dict[str, Any]:

@@ -52,7 +52,8 @@ def two_engine_stack(journal_url: str, tmp_path: Path) -> tuple[dict[str, int], 
     ports: dict[str, int] = {"e0": service_port(), "e1": service_port()}
     settings = Settings.model_validate({
         "journal": {"url": journal_url},
-        "orchestrator": {"lease_ttl_s": 5, "lease_renew_s": 1, "shutdown_grace_s": 1},
+        # A 15 s lease: a rebuild's writes need it, and a loaded machine once delayed renewals past 5 s.
+        "orchestrator": {"lease_ttl_s": 15, "lease_renew_s": 1, "shutdown_grace_s": 1},
         "reconciler": {"resync_interval_s": 30},
         "logging": {"level": "WARNING"},
         "training": {"enabled": True, "executor": "uni", "deployment": "dep",
