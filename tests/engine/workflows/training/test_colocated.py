@@ -155,7 +155,9 @@ async def test_an_engine_whose_release_failed_is_uncertain_and_its_service_repla
             e = models.events
             why = (await conn.execute(sa.select(e.c.reason).where(
                 e.c.entity_kind == "services", e.c.entity_id == "e1", e.c.to_state == "failed"))).scalars().all()
-        assert e1 == 1 and len(why) == 1 and "dep/e1 is uncertain" in why[0], (e1, why)
+        # Replaced once, for its uncertainty. (A loaded machine may add an "owner gone" failure: a
+        # lease lost and taken again hands the stack to the next term, which relaunches it.)
+        assert sum("dep/e1 is uncertain" in w for w in why) == 1, (e1, why)
         # Trained once, only after every engine released: the failed release held the step.
         assert [t for t in await edges(orch.journal, job) if t[1] in ("CHECKPOINT", "AMBIGUOUS") and t[0] != t[1]] == [
             ("RUNNING", "CHECKPOINT")]
